@@ -1,0 +1,89 @@
+"""DeepSeek-V4 attention (model-spec.md §4.4): low-rank q with per-head norm, one shared K=V head,
+sliding window + compressed entries (all visible ones, or the indexer's top-k), sink, inverse RoPE on
+the output and the grouped low-rank output projection."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import kernels
+from ..config import AttentionKind, ModelConfig
+from .chunk import Chunk
+from .compressor import compress_chunk
+from .indexer import index_select
+from .linear import linear
+from .norm import rms, rms_norm
+from .rope import apply_rope
+
+__all__ = ["attention"]
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _window_keys(st: dict, layer: jax.Array, chunk: Chunk, W: int) -> tuple[jax.Array, jax.Array]:
+    """Ring entries written before this chunk and which query may see them: ([B, W, D], bool [B, S, W])."""
+    ring = st["window"][layer][:, :W]
+    last = chunk.pos0[:, None] - 1
+    ring_pos = last - (last - jnp.arange(W, dtype=jnp.int32)[None, :]) % W      # [B, W]
+    t = chunk.positions[..., None]
+    visible = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > t - W)
+    return ring, visible
+
+
+def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *, config: ModelConfig,
+              kind: AttentionKind, freqs: np.ndarray) -> tuple[jax.Array, dict]:
+    """x [B, S, d] (after attn_norm) -> ([B, S, d], updated state of this layer kind)."""
+    B, S, _ = x.shape
+    H, D, W, eps = config.n_heads, config.head_dim, config.window_size, config.norm_eps
+    pos = chunk.positions
+
+    q_latent = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
+    q = linear(q_latent, p["wq_b"]).reshape(B, S, H, D)
+    q = rms(q, eps).astype(x.dtype)
+    q = apply_rope(q, pos[..., None], freqs)
+    kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"], eps)
+    kv = apply_rope(kv, pos, freqs)                                         # [B, S, D]
+
+    ring, ring_visible = _window_keys(st, layer, chunk, W)
+    t = pos[..., None]
+    chunk_visible = (pos[:, None, :] <= t) & (pos[:, None, :] > t - W) & chunk.valid[:, None, :]
+    shared_keys = [ring.astype(kv.dtype), kv]
+    shared_mask = [ring_visible, chunk_visible]
+    sel_keys = sel_mask = None
+
+    m = kind.ratio
+    if m > 0:
+        ckv, cbuf_kv, cbuf_sc = compress_chunk(
+            x, p["compressor"], st["ckv"], st["cbuf_kv"], st["cbuf_score"], layer, chunk,
+            ratio=m, overlap=kind.overlap, freqs=freqs, norm_eps=eps)
+        st = {**st, "ckv": ckv, "cbuf_kv": cbuf_kv, "cbuf_score": cbuf_sc}
+        entries = ckv[layer]                                                 # [B, Tc+1, D]
+        if kind.has_indexer:
+            idx, selected, st = index_select(x, q_latent, p["indexer"], st, layer, chunk,
+                                             config=config, ratio=m, freqs=freqs)
+            sel_keys = jnp.take_along_axis(entries[:, None], idx[..., None], axis=2)   # [B, S, K, D]
+            sel_mask = selected
+        else:
+            visible_count = (pos + 1) // m
+            shared_keys.append(entries)
+            shared_mask.append(jnp.arange(entries.shape[1], dtype=jnp.int32)[None, None, :] < visible_count[..., None])
+
+    o = kernels.get("sparse_attention")(
+        q, jnp.concatenate(shared_keys, axis=1), jnp.concatenate(shared_mask, axis=2),
+        sel_keys, sel_mask, p["attn_sink"], D ** -0.5)
+    o = apply_rope(o, pos[..., None], freqs, inverse=True)
+
+    # Write this chunk's last W real tokens into the window ring; the rest goes to the scratch slot.
+    end = (chunk.pos0 + chunk.n_valid)[:, None]
+    keep = chunk.valid & (pos >= end - W)
+    slot = jnp.where(keep, pos % W, W)
+    st = {**st, "window": st["window"].at[layer, chunk.batch_index, slot].set(
+        jnp.where(keep[..., None], kv, 0).astype(st["window"].dtype))}
+
+    G = config.o_groups
+    wo_a = p["wo_a"].reshape(G, config.o_lora_rank, H * D // G)
+    u = jnp.einsum("bsgk,gok->bsgo", o.reshape(B, S, G, H * D // G), wo_a,
+                   precision=HIGHEST, preferred_element_type=jnp.float32).astype(x.dtype)
+    return linear(u.reshape(B, S, G * config.o_lora_rank), p["wo_b"]), st

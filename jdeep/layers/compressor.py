@@ -1,0 +1,75 @@
+"""KV compressor (model-spec.md §4.4.4): softmax-gated pooling of every m tokens into one entry.
+
+Works on a chunk of S new tokens per sequence plus the ring of the last Rc tokens' projections kept
+in the state, so prefill chunks and single decode steps run the same code with static shapes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .chunk import Chunk
+from .linear import linear_f32
+from .norm import rms_norm
+from .rope import apply_rope
+
+__all__ = ["compress_chunk"]
+
+
+def _take(ext: jax.Array, idx: jax.Array) -> jax.Array:
+    """ext [B, E, C], idx [B, G, m] -> [B, G, m, C] (indices clamped; callers mask what is invalid)."""
+    B, G, m = idx.shape
+    idx = jnp.clip(idx, 0, ext.shape[1] - 1).reshape(B, G * m, 1)
+    return jnp.take_along_axis(ext, idx, axis=1).reshape(B, G, m, ext.shape[-1])
+
+
+def compress_chunk(x: jax.Array, p: dict, cache: jax.Array, buf_kv: jax.Array, buf_score: jax.Array,
+                   layer: jax.Array, chunk: Chunk, *, ratio: int, overlap: bool, freqs: np.ndarray,
+                   norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Emit the compressed entries completed by this chunk and advance the compressor ring.
+
+    x: [B, S, d] attention input (after attn_norm). p: wkv, wgate [c*Dc, d], ape [m, c*Dc], norm [Dc].
+    cache: [R, B, Tc+1, Dc]; buf_kv, buf_score: [R, B, Rc+1, c*Dc] fp32 (stacked layer-major; `layer`
+    selects the row). Returns the updated (cache, buf_kv, buf_score).
+    """
+    B, S, _ = x.shape
+    m = ratio
+    c = 2 if overlap else 1
+    rc = c * m
+    a = linear_f32(x, p["wkv"])                                   # [B, S, c*Dc]
+    z = linear_f32(x, p["wgate"]) + p["ape"][chunk.positions % m]
+    ring_kv, ring_sc = buf_kv[layer], buf_score[layer]            # [B, Rc+1, c*Dc]
+
+    ring_pos = chunk.pos0[:, None] - rc + jnp.arange(rc, dtype=jnp.int32)[None, :]
+    ring_slot = (ring_pos % rc)[..., None]
+    ext_pos = jnp.concatenate([ring_pos, chunk.positions], axis=1)  # [B, Rc+S]
+    known = (ext_pos >= 0)[..., None]
+    ext_kv = jnp.where(known, jnp.concatenate([jnp.take_along_axis(ring_kv, ring_slot, axis=1), a], axis=1), 0.0)
+    ext_sc = jnp.where(known, jnp.concatenate([jnp.take_along_axis(ring_sc, ring_slot, axis=1), z], axis=1), -jnp.inf)
+
+    n_groups = -(-S // m)
+    g = chunk.pos0[:, None] // m + jnp.arange(n_groups, dtype=jnp.int32)[None, :]   # [B, G]
+    tc = cache.shape[2] - 1
+    g_valid = ((g + 1) * m <= (chunk.pos0 + chunk.n_valid)[:, None]) & (g < tc)
+    cur = g[..., None] * m + jnp.arange(m, dtype=jnp.int32) - (chunk.pos0[:, None, None] - rc)  # ext index
+    if overlap:
+        dc = a.shape[-1] // 2
+        kv = jnp.concatenate([_take(ext_kv, cur - m)[..., :dc], _take(ext_kv, cur)[..., dc:]], axis=2)
+        sc = jnp.concatenate([_take(ext_sc, cur - m)[..., :dc], _take(ext_sc, cur)[..., dc:]], axis=2)
+    else:
+        kv, sc = _take(ext_kv, cur), _take(ext_sc, cur)
+    pooled = jnp.sum(jax.nn.softmax(sc, axis=2) * kv, axis=2)     # [B, G, Dc] fp32
+    entry = rms_norm(pooled.astype(cache.dtype), p["norm"], norm_eps)
+    entry = apply_rope(entry, g * m, freqs)
+    entry = jnp.where(g_valid[..., None], entry, 0).astype(cache.dtype)
+    cache = cache.at[layer, chunk.batch_index, jnp.where(g_valid, g, tc)].set(entry)
+
+    # Keep the projections of the last Rc real tokens; everything else lands in the scratch slot.
+    end = (chunk.pos0 + chunk.n_valid)[:, None]
+    keep = chunk.valid & (chunk.positions >= end - rc)
+    slot = jnp.where(keep, chunk.positions % rc, rc)
+    buf_kv = buf_kv.at[layer, chunk.batch_index, slot].set(jnp.where(keep[..., None], a, 0.0))
+    buf_score = buf_score.at[layer, chunk.batch_index, slot].set(jnp.where(keep[..., None], z, -jnp.inf))
+    return cache, buf_kv, buf_score

@@ -1,0 +1,47 @@
+"""Lightning indexer (model-spec.md §4.4.5): picks each query's top-k compressed entries."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import ModelConfig
+from .chunk import Chunk
+from .compressor import compress_chunk
+from .linear import linear, linear_f32
+from .rope import apply_rope
+
+__all__ = ["index_select"]
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def index_select(x: jax.Array, q_latent: jax.Array, p: dict, st: dict, layer: jax.Array, chunk: Chunk, *,
+                 config: ModelConfig, ratio: int, freqs: np.ndarray) -> tuple[jax.Array, jax.Array, dict]:
+    """Update the indexer's key cache with this chunk and select entries for every query.
+
+    x [B, S, d] attention input; q_latent [B, S, q_lora] (c_q). st holds ikeys [R, B, Tc+1, DI] and the
+    indexer compressor ring. Returns (idx int32 [B, S, K], selected bool [B, S, K], st) with
+    K = min(index_topk, Tc + 1); entries not visible to a query are never marked selected.
+    """
+    B, S, _ = x.shape
+    nI, DI = config.index_n_heads, config.index_head_dim
+    ikeys, ibuf_kv, ibuf_sc = compress_chunk(
+        x, p["compressor"], st["ikeys"], st["ibuf_kv"], st["ibuf_score"], layer, chunk,
+        ratio=ratio, overlap=True, freqs=freqs, norm_eps=config.norm_eps)
+    st = {**st, "ikeys": ikeys, "ibuf_kv": ibuf_kv, "ibuf_score": ibuf_sc}
+
+    q = linear(q_latent, p["wq_b"]).reshape(B, S, nI, DI)
+    q = apply_rope(q, chunk.positions[..., None], freqs)
+    w = linear_f32(x, p["weights_proj"]) * (DI ** -0.5 * nI ** -0.5)        # [B, S, nI]
+    keys = ikeys[layer]                                                      # [B, Tc+1, DI]
+    s = jnp.einsum("bshd,btd->bsht", q, keys, precision=HIGHEST, preferred_element_type=jnp.float32)
+    score = jnp.einsum("bsht,bsh->bst", jax.nn.relu(s), w, precision=HIGHEST)
+    visible_count = (chunk.positions + 1) // ratio                           # [B, S]
+    entry = jnp.arange(keys.shape[1], dtype=jnp.int32)
+    score = jnp.where(entry[None, None, :] < visible_count[..., None], score, -jnp.inf)
+    k = min(config.index_topk, keys.shape[1])
+    _, idx = jax.lax.top_k(score, k)
+    selected = idx < visible_count[..., None]
+    return idx.astype(jnp.int32), selected, st

@@ -1,0 +1,50 @@
+"""Manifold-constrained hyper-connections (model-spec.md §4.2, §4.6). All mixing math in fp32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .linear import linear_f32
+
+__all__ = ["hc_mixes", "hc_collapse", "hc_expand", "hc_head_collapse"]
+
+
+def hc_mixes(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
+             hc_eps: float, sinkhorn_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """X [..., n, d] -> pre [..., n], post [..., n], comb [..., n, n] (fp32).
+
+    fn [(2+n)n, n*d], base [(2+n)n], scale [3]. comb ends with a column normalisation.
+    """
+    n = X.shape[-2]
+    flat = X.reshape(X.shape[:-2] + (-1,)).astype(jnp.float32)
+    mu = linear_f32(flat, fn) * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    pre = jax.nn.sigmoid(scale[0] * mu[..., :n] + base[:n]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(scale[1] * mu[..., n:2 * n] + base[n:2 * n])
+    c = (scale[2] * mu[..., 2 * n:] + base[2 * n:]).reshape(mu.shape[:-1] + (n, n))
+    c = jax.nn.softmax(c, axis=-1) + hc_eps
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
+        c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+    return pre, post, c
+
+
+def hc_collapse(X: jax.Array, pre: jax.Array) -> jax.Array:
+    """Σ_i pre_i X_i in fp32, cast to X's dtype: [..., n, d] -> [..., d]."""
+    return jnp.sum(pre[..., None] * X.astype(jnp.float32), axis=-2).astype(X.dtype)
+
+
+def hc_expand(y: jax.Array, post: jax.Array, comb: jax.Array, X: jax.Array) -> jax.Array:
+    """X'_k = post_k y + Σ_j comb[j, k] X_j  -> [..., n, d] in X's dtype."""
+    mixed = jnp.einsum("...jk,...jd->...kd", comb, X.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return (post[..., None] * y.astype(jnp.float32)[..., None, :] + mixed).astype(X.dtype)
+
+
+def hc_head_collapse(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
+                     hc_eps: float) -> jax.Array:
+    """Final stream collapse before the norm and head: [..., n, d] -> [..., d]."""
+    flat = X.reshape(X.shape[:-2] + (-1,)).astype(jnp.float32)
+    mu = linear_f32(flat, fn) * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    pre = jax.nn.sigmoid(mu * scale[0] + base) + hc_eps
+    return hc_collapse(X, pre)

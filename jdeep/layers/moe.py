@@ -1,0 +1,47 @@
+"""Mixture of experts (model-spec.md §4.5): sqrtsoftplus scores, bias-steered or hash-routed top-k,
+normalised weights × route scale, clamped SwiGLU experts and one shared expert."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import kernels
+from ..config import ModelConfig
+from .linear import linear_f32
+
+__all__ = ["route", "moe"]
+
+
+def route(x: jax.Array, tokens: jax.Array, p: dict, *, config: ModelConfig, hash_moe: bool) -> tuple[jax.Array, jax.Array]:
+    """x [T, d], tokens int32 [T] -> (expert ids int32 [T, k], weights fp32 [T, k]).
+
+    p: weight [E, d], and bias [E] (top-k steering) or tid2eid int32 [V, k] (hash routing).
+    """
+    scores = jnp.sqrt(jax.nn.softplus(linear_f32(x, p["weight"])))         # [T, E]
+    k = config.n_activated_experts
+    if hash_moe:
+        idx = p["tid2eid"][tokens]
+    else:
+        _, idx = jax.lax.top_k(scores + p["bias"], k)
+    w = jnp.take_along_axis(scores, idx, axis=-1)
+    w = config.route_scale * w / jnp.sum(w, axis=-1, keepdims=True)
+    return idx.astype(jnp.int32), w
+
+
+def moe(p: dict, experts: dict, layer: jax.Array, x: jax.Array, tokens: jax.Array, *, config: ModelConfig,
+        hash_moe: bool) -> jax.Array:
+    """x [B, S, d] (after ffn_norm), tokens [B, S] -> [B, S, d].
+
+    p: this layer's gate ("gate" weight [E, d], "bias" [E] or "tid2eid" [V, k]) and shared expert;
+    experts: w1, w2, w3 of all layers of this kind ([R, E, ...]), indexed by `layer`.
+    """
+    B, S, d = x.shape
+    xt = x.reshape(B * S, d)
+    idx, w = route(xt, tokens.reshape(-1), p["gate"], config=config, hash_moe=hash_moe)
+    T, k = idx.shape
+    op = "moe_experts_gather" if T * k <= config.n_routed_experts else "moe_experts_grouped"
+    routed = kernels.get(op)(xt, idx, w, experts["w1"], experts["w2"], experts["w3"], layer, config.swiglu_limit)
+    sh = p["shared_experts"]
+    shared = kernels.get("shared_expert")(xt, sh["w1"], sh["w2"], sh["w3"], config.swiglu_limit)
+    return (routed + shared).astype(x.dtype).reshape(B, S, d)

@@ -1,0 +1,93 @@
+"""Grouping of the layer stack into homogeneous, scannable segments.
+
+A layer's *kind* is its attention kind plus whether its MoE is hash-routed: layers of one kind have
+identical parameter and state shapes. The stack is cut into segments; each segment repeats a short
+pattern of kinds (`pattern`) `reps` times, so it runs as one `lax.scan` of `reps` steps whose body
+applies the pattern. V4-Flash, for example, becomes [sliding/hash]x2, [csa4/hash]x1, [hca128, csa4]x20:
+the compiled program holds four layer bodies (five blocks) whatever the depth.
+
+Parameters and state are stored per (segment, slot) with a leading axis of length `reps`
+(layer-major), so a scan consumes whole arrays and never slices a copy of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import AttentionKind, ModelConfig
+
+__all__ = ["LayerKind", "Segment", "LayerPlan", "build_plan"]
+
+MAX_PERIOD = 4
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    attn: AttentionKind
+    hash_moe: bool
+
+    @property
+    def name(self) -> str:
+        return self.attn.name + ("_hash" if self.hash_moe else "")
+
+
+@dataclass(frozen=True)
+class Segment:
+    first_layer: int
+    pattern: tuple[LayerKind, ...]
+    reps: int
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.pattern) * self.reps
+
+    def layer(self, rep: int, slot: int) -> int:
+        return self.first_layer + rep * len(self.pattern) + slot
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    segments: tuple[Segment, ...]
+
+    def locate(self, layer: int) -> tuple[int, int, int]:
+        """Backbone layer index -> (segment, slot, rep)."""
+        for s, seg in enumerate(self.segments):
+            off = layer - seg.first_layer
+            if 0 <= off < seg.n_layers:
+                return s, off % len(seg.pattern), off // len(seg.pattern)
+        raise IndexError(f"layer {layer} is outside the plan")
+
+
+def layer_kinds(config: ModelConfig) -> list[LayerKind]:
+    return [LayerKind(a, h) for a, h in zip(config.attention_kinds, config.hash_moe)]
+
+
+def build_plan(config: ModelConfig, max_period: int = MAX_PERIOD) -> LayerPlan:
+    """Greedy cut: at each layer take the period whose repetition covers the most layers.
+
+    Ties prefer the shorter period; a period is only worth it when it repeats (reps >= 2),
+    otherwise the segment is a single layer.
+    """
+    kinds = layer_kinds(config)
+    n = len(kinds)
+    segments = []
+    i = 0
+    while i < n:
+        best_p, best_reps = 1, 1
+        while i + best_reps < n and kinds[i + best_reps] == kinds[i]:
+            best_reps += 1
+        best_cover = best_reps
+        for p in range(2, max_period + 1):
+            if i + 2 * p > n:
+                break
+            pat = kinds[i:i + p]
+            if all(k == pat[0] for k in pat):
+                continue  # covered by period 1
+            reps = 1
+            while i + (reps + 1) * p <= n and kinds[i + reps * p:i + (reps + 1) * p] == pat:
+                reps += 1
+            if reps >= 2 and reps * p > best_cover:
+                best_p, best_reps, best_cover = p, reps, reps * p
+        segments.append(Segment(i, tuple(kinds[i:i + best_p]), best_reps))
+        i += best_p * best_reps
+    return LayerPlan(tuple(segments))

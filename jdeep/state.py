@@ -1,0 +1,86 @@
+"""Decode state: per (segment, slot) caches stacked layer-major, for B sequence slots.
+
+Leaves of one slot (kind) have shape [reps, B, ...]; every cache has one spare *scratch* row at the
+end that absorbs the writes of padded tokens (so writes never need data-dependent shapes or
+out-of-bounds indices, and the spare row is never visible to a query):
+
+    window      [R, B, W+1, D]       act dtype   ring of the last W tokens' K=V, slot t mod W
+    ckv         [R, B, Tc+1, D]      act dtype   compressed KV, entry j = tokens j*m .. j*m+m-1
+    cbuf_kv     [R, B, Rc+1, c*D]    fp32        compressor ring of the last Rc tokens' projections
+    cbuf_score  [R, B, Rc+1, c*D]    fp32        ... and their gate scores (+ position bias)
+    ikeys       [R, B, Tc+1, DI]     act dtype   indexer keys (overlap/indexer layers only)
+    ibuf_kv / ibuf_score [R, B, 2m+1, 2*DI] fp32 indexer compressor ring
+
+with Tc = max_len // m, c = 2 and Rc = 2m for overlapping compressors, else c = 1 and Rc = m.
+No sequence length is stored: the positions passed with each chunk say where every sequence is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig
+from .plan import LayerKind, LayerPlan
+
+__all__ = ["slot_state_shapes", "init_state", "state_bytes", "reset_slots"]
+
+State = list  # list (segments) of list (slots) of dict[str, jax.Array]
+
+
+def slot_state_shapes(config: ModelConfig, kind: LayerKind, reps: int, batch: int, max_len: int,
+                      dtype: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+    D, W = config.head_dim, config.window_size
+    shapes = {"window": ((reps, batch, W + 1, D), dtype)}
+    m = kind.attn.ratio
+    if m > 0:
+        c = 2 if kind.attn.overlap else 1
+        rc = c * m
+        tc = max_len // m
+        shapes["ckv"] = ((reps, batch, tc + 1, D), dtype)
+        shapes["cbuf_kv"] = ((reps, batch, rc + 1, c * D), jnp.float32)
+        shapes["cbuf_score"] = ((reps, batch, rc + 1, c * D), jnp.float32)
+        if kind.attn.has_indexer:
+            DI = config.index_head_dim
+            shapes["ikeys"] = ((reps, batch, tc + 1, DI), dtype)
+            shapes["ibuf_kv"] = ((reps, batch, 2 * m + 1, 2 * DI), jnp.float32)
+            shapes["ibuf_score"] = ((reps, batch, 2 * m + 1, 2 * DI), jnp.float32)
+    return shapes
+
+
+def _fill(name: str) -> float:
+    # Gate scores start at -inf so that not-yet-seen tokens get zero softmax weight.
+    return -np.inf if name.endswith("score") else 0.0
+
+
+def init_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any) -> State:
+    """Fresh state for `batch` sequences of at most `max_len` tokens."""
+    state = []
+    for seg in plan.segments:
+        slots = []
+        for kind in seg.pattern:
+            shapes = slot_state_shapes(config, kind, seg.reps, batch, max_len, dtype)
+            slots.append({k: jnp.full(s, _fill(k), dt) for k, (s, dt) in shapes.items()})
+        state.append(slots)
+    return state
+
+
+def reset_slots(state: State, mask: jax.Array) -> State:
+    """Return the state with the sequences where mask [B] is True reset to empty."""
+    def reset(name, leaf):
+        m = mask.reshape((1, -1) + (1,) * (leaf.ndim - 2))
+        return jnp.where(m, jnp.asarray(_fill(name), leaf.dtype), leaf)
+
+    return [[{k: reset(k, v) for k, v in slot.items()} for slot in seg] for seg in state]
+
+
+def state_bytes(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any) -> int:
+    total = 0
+    for seg in plan.segments:
+        for kind in seg.pattern:
+            for shape, dt in slot_state_shapes(config, kind, seg.reps, batch, max_len, dtype).values():
+                total += int(np.prod(shape)) * np.dtype(dt).itemsize
+    return total
