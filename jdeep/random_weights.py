@@ -1,0 +1,108 @@
+"""Seeded random checkpoints in DeepSeek's real format (config.json + safetensors under the original
+tensor names), for tests, demos and benchmarks that need no download."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .checkpoint import write_safetensors
+from .config import ModelConfig
+from .param_spec import F32, INDEX, TensorSpec, layer_specs, top_specs
+from .plan import layer_kinds
+
+__all__ = ["TINY_CONFIG", "random_tensor", "random_checkpoint"]
+
+# A small model with every layer kind (sliding, ratio-4 CSA with indexer, ratio-16 HCA, hash MoE).
+TINY_CONFIG: dict[str, Any] = {
+    "model_type": "deepseek_v4", "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 64, "o_groups": 2,
+    "o_lora_rank": 32, "sliding_window": 16,
+    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                    "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    "num_hash_layers": 2, "index_n_heads": 16, "index_head_dim": 32, "index_topk": 4, "hc_mult": 4,
+    "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "moe_intermediate_size": 64, "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus", "swiglu_limit": 10.0, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 256,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1,
+}
+
+
+def random_tensor(rng: np.random.Generator, spec: TensorSpec, config: ModelConfig) -> np.ndarray:
+    """A float32 (or int64 for tid2eid) tensor with scales that keep activations well-conditioned."""
+    name, shape = spec.name, spec.shape
+    if spec.kind == INDEX:  # tid2eid: distinct experts per token id
+        E = config.n_routed_experts
+        return np.argsort(rng.random((shape[0], E)), axis=1)[:, : shape[1]].astype(np.int64)
+    last = name.split(".")[-1]
+    if last.startswith("hc_"):
+        if last.endswith("_fn"):
+            return rng.normal(0, 0.5 / np.sqrt(shape[1]), shape).astype(np.float32)
+        if last.endswith("_base"):
+            return rng.normal(0, 0.5, shape).astype(np.float32)
+        return rng.uniform(0.5, 1.5, shape).astype(np.float32)
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * rng.normal(size=shape)).astype(np.float32)
+    if name.endswith("attn_sink"):
+        return rng.normal(0, 1, shape).astype(np.float32)
+    if name.endswith(".ape"):
+        return rng.normal(0, 0.5, shape).astype(np.float32)
+    if name.endswith("gate.bias"):
+        return rng.normal(0, 0.1, shape).astype(np.float32)
+    if name == "embed.weight":
+        return rng.normal(0, 1, shape).astype(np.float32)
+    if name == "head.weight":
+        return rng.normal(0, 2.0 / np.sqrt(shape[1]), shape).astype(np.float32)
+    return rng.normal(0, 1.0 / np.sqrt(shape[-1]), shape).astype(np.float32)
+
+
+def _all_specs(config: ModelConfig):
+    for spec in top_specs(config):
+        yield spec.name, spec
+    for layer, kind in enumerate(layer_kinds(config)):
+        for spec in layer_specs(config, kind):
+            yield f"layers.{layer}.{spec.name}", spec
+
+
+def random_checkpoint(config: ModelConfig | dict, folder: str, seed: int = 0, dtype: str = "float32",
+                      n_shards: int = 1) -> ModelConfig:
+    """Write config.json and seeded random weights (float32 or bfloat16) to `folder`.
+
+    With n_shards > 1 the tensors are split over several files plus model.safetensors.index.json.
+    """
+    if isinstance(config, dict):
+        raw = dict(config)
+        config = ModelConfig.from_dict(raw)
+    else:
+        raw = config.to_dict()
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, spec in _all_specs(config):
+        t = random_tensor(rng, TensorSpec(name, spec.path, spec.shape, spec.kind), config)
+        if dtype == "bfloat16" and spec.kind not in (F32, INDEX):
+            t = t.astype(ml_dtypes.bfloat16)
+        tensors[name] = t
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(raw, f, indent=2)
+    names = list(tensors)
+    if n_shards <= 1:
+        write_safetensors(os.path.join(folder, "model.safetensors"), tensors)
+        return config
+    weight_map = {}
+    for s in range(n_shards):
+        fn = f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::n_shards]}
+        write_safetensors(os.path.join(folder, fn), part)
+        weight_map.update({n: fn for n in part})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    return config
