@@ -1,0 +1,19 @@
+"""Shared fixtures: the golden reference folders live in ../shared/golden next to the repository
+(override with JDEEP_GOLDEN_DIR); tests that need one skip with a message when it is absent."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+GOLDEN_DIR = pathlib.Path(os.environ.get("JDEEP_GOLDEN_DIR", REPO.parent / "shared" / "golden"))
+
+
+def golden_path(name: str) -> pathlib.Path:
+    path = GOLDEN_DIR / name
+    if not (path / "config.json").exists():
+        pytest.skip(f"golden folder {path} is absent (set JDEEP_GOLDEN_DIR to the shared/golden folder)")
+    return path
