@@ -10,7 +10,7 @@ program holds one body per segment whatever the depth and caches are updated in 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -79,6 +79,13 @@ def model_step(params: dict, state: list, tokens: jax.Array, positions: jax.Arra
     return linear_f32(h, params["head"]), new_state
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_step(config: ModelConfig, plan: LayerPlan, all_logits: bool) -> Callable:
+    """One jitted step per (architecture, logits mode), shared by every Model with that architecture."""
+    fn = functools.partial(model_step, config=config, plan=plan, all_logits=all_logits)
+    return jax.jit(fn, donate_argnums=(1,))
+
+
 @dataclass
 class Model:
     """A loaded model: config, layer plan, device params and the compiled step functions."""
@@ -87,14 +94,10 @@ class Model:
     plan: LayerPlan
     params: dict
     dtype: Any
-    _steps: dict = field(default_factory=dict, repr=False)
 
     def step_fn(self, all_logits: bool) -> Callable:
         """jit-compiled `model_step(params, state, tokens, positions)`, state donated."""
-        if all_logits not in self._steps:
-            fn = functools.partial(model_step, config=self.config, plan=self.plan, all_logits=all_logits)
-            self._steps[all_logits] = jax.jit(fn, donate_argnums=(1,))
-        return self._steps[all_logits]
+        return compiled_step(self.config, self.plan, all_logits)
 
     @property
     def vocab_size(self) -> int:
