@@ -14,7 +14,7 @@ from .chunk import Chunk
 from .compressor import compress_chunk
 from .indexer import index_select
 from .linear import linear
-from .norm import rms, rms_norm
+from .norm import rms_norm
 from .rope import apply_rope
 
 __all__ = ["attention"]
@@ -32,6 +32,13 @@ def _window_keys(st: dict, layer: jax.Array, chunk: Chunk, W: int) -> tuple[jax.
     return ring, visible
 
 
+def _head_rms(q: jax.Array, eps: float) -> jax.Array:
+    """Weightless per-head RMS norm computed in the activation dtype, as DeepSeek's reference does
+    (bf16 square and rsqrt; the mean accumulates in fp32 but is rounded back), not upcast like RMSNorm."""
+    ms = jnp.mean((q * q).astype(jnp.float32), axis=-1, keepdims=True).astype(q.dtype)
+    return q * jax.lax.rsqrt(ms + jnp.asarray(eps, q.dtype))
+
+
 def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *, config: ModelConfig,
               kind: AttentionKind, freqs: np.ndarray) -> tuple[jax.Array, dict]:
     """x [B, S, d] (after attn_norm) -> ([B, S, d], updated state of this layer kind)."""
@@ -41,7 +48,7 @@ def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *
 
     q_latent = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
     q = linear(q_latent, p["wq_b"]).reshape(B, S, H, D)
-    q = rms(q, eps).astype(x.dtype)
+    q = _head_rms(q, eps)
     q = apply_rope(q, pos[..., None], freqs)
     kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"], eps)
     kv = apply_rope(kv, pos, freqs)                                         # [B, S, D]
