@@ -33,5 +33,7 @@ def load(path: str | os.PathLike, dtype: str = "float32") -> Model:
     if checkpoint.is_converted(path):
         params = checkpoint.restore_converted(path, config, plan, jdtype)
     else:
-        params = jax.device_put(checkpoint.load_params(path, config, plan, np.dtype(jdtype)))
+        params = checkpoint.load_params(path, config, plan, np.dtype(jdtype))
+    # One placement for both sources, so both hit the same compiled programs.
+    params = jax.device_put(params, jax.devices()[0])
     return Model(config, plan, params, jdtype)

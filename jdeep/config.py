@@ -73,7 +73,7 @@ _IGNORED_KEYS = {
     "torch_dtype", "dtype", "transformers_version", "use_cache", "output_router_logits",
     "router_aux_loss_coef", "router_jitter_noise", "tie_word_embeddings", "topk_method",
     "norm_topk_prob", "pad_token_id", "mlp_bias", "num_key_value_heads", "auto_map",
-    "n_routed_experts_score", "_name_or_path", "max_batch_size", "max_seq_len", "scale_fmt",
+    "_name_or_path", "max_batch_size", "max_seq_len", "scale_fmt",
     "expert_dtype", "compress_rate_csa", "compress_rate_hca", "model_type", "quantization_config",
 }
 
@@ -238,8 +238,18 @@ class ModelConfig:
             rates = {("compressed_sparse_attention" if k.overlap else "heavily_compressed_attention"): k.ratio
                      for k in self.attention_kinds if k.ratio}
             d["compress_rates"] = rates
-        y = self.rope_compress.yarn
-        if y is not None:
+        def rope_dict(rope: RopeConfig) -> dict[str, Any]:
+            y = rope.yarn
+            if y is None:
+                return {"rope_type": "default", "rope_theta": rope.theta}
+            return {"rope_type": "yarn", "rope_theta": rope.theta, "factor": y.factor,
+                    "original_max_position_embeddings": y.original_seq_len,
+                    "beta_fast": y.beta_fast, "beta_slow": y.beta_slow}
+
+        if self.rope_main.yarn is not None:  # only the normalised spelling can say so
+            d["rope_parameters"] = {"main": rope_dict(self.rope_main), "compress": rope_dict(self.rope_compress)}
+        elif self.rope_compress.yarn is not None:
+            y = self.rope_compress.yarn
             d["rope_scaling"] = {"type": "yarn", "factor": y.factor, "original_max_position_embeddings": y.original_seq_len,
                                  "beta_fast": y.beta_fast, "beta_slow": y.beta_slow}
         if self.quantization is not None:
@@ -315,6 +325,12 @@ def _opt(raw: dict[str, Any], key: str, default: Any, kind: type = int) -> Any:
     return _req(raw, key, kind) if raw.get(key) is not None else default
 
 
+def _num(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    return float(value)
+
+
 def _yarn_from(d: Mapping[str, Any], where: str) -> YarnConfig | None:
     if not isinstance(d, Mapping):
         raise ConfigError(f"{where} must be an object, got {d!r}")
@@ -364,7 +380,7 @@ def _attention_kinds(raw: dict[str, Any], n_layers: int) -> tuple[AttentionKind,
             rates.update(given)
         kinds = []
         for i, t in enumerate(types[:n_layers]):
-            if t not in _LAYER_TYPE_NAMES:
+            if not isinstance(t, str) or t not in _LAYER_TYPE_NAMES:
                 raise ConfigError(f"layer_types[{i}] = {t!r} is not one of {sorted(_LAYER_TYPE_NAMES)}")
             if t == "sliding_attention":
                 kinds.append(AttentionKind(0))
@@ -383,7 +399,7 @@ def _hash_layers(raw: dict[str, Any], n_layers: int) -> tuple[bool, ...]:
         if not isinstance(types, list) or len(types) < n_layers:
             raise ConfigError(f"mlp_layer_types must list at least num_hidden_layers={n_layers} entries, got {types!r}")
         for i, t in enumerate(types[:n_layers]):
-            if t not in ("hash_moe", "moe"):
+            if not isinstance(t, str) or t not in ("hash_moe", "moe"):
                 raise ConfigError(f"mlp_layer_types[{i}] = {t!r} is not 'hash_moe' or 'moe'")
         flags = tuple(t == "hash_moe" for t in types[:n_layers])
         if raw.get("num_hash_layers") is not None and raw["num_hash_layers"] != sum(flags):
@@ -407,8 +423,8 @@ def _ropes(raw: dict[str, Any], head_dim: int) -> tuple[RopeConfig, RopeConfig, 
     if rope_dim is None:
         if prf is None:
             raise ConfigError("config.json needs qk_rope_head_dim or partial_rotary_factor")
-        rope_dim = int(head_dim * float(prf))
-    elif prf is not None and int(head_dim * float(prf)) != rope_dim:
+        rope_dim = int(head_dim * _num(prf, "partial_rotary_factor"))
+    elif prf is not None and int(head_dim * _num(prf, "partial_rotary_factor")) != rope_dim:
         raise ConfigError(f"partial_rotary_factor={prf} gives {int(head_dim * float(prf))} rope dims, but qk_rope_head_dim={rope_dim}")
     if isinstance(rope_dim, bool) or not isinstance(rope_dim, int):
         raise ConfigError(f"qk_rope_head_dim must be an integer, got {rope_dim!r}")
@@ -420,8 +436,10 @@ def _ropes(raw: dict[str, Any], head_dim: int) -> tuple[RopeConfig, RopeConfig, 
         for name, d in (("main", main_d), ("compress", comp_d)):
             if "rope_theta" not in d:
                 raise ConfigError(f"rope_parameters.{name} is missing 'rope_theta'")
-        main = RopeConfig(float(main_d["rope_theta"]), _yarn_from(main_d, "rope_parameters.main"))
-        comp = RopeConfig(float(comp_d["rope_theta"]), _yarn_from(comp_d, "rope_parameters.compress"))
+        main = RopeConfig(_num(main_d["rope_theta"], "rope_parameters.main.rope_theta"),
+                          _yarn_from(main_d, "rope_parameters.main"))
+        comp = RopeConfig(_num(comp_d["rope_theta"], "rope_parameters.compress.rope_theta"),
+                          _yarn_from(comp_d, "rope_parameters.compress"))
         for key, rope in (("rope_theta", main), ("compress_rope_theta", comp)):
             if raw.get(key) is not None and float(raw[key]) != rope.theta:
                 raise ConfigError(f"{key}={raw[key]} disagrees with rope_parameters ({rope.theta})")

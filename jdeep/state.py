@@ -57,7 +57,8 @@ def _fill(name: str) -> float:
 
 
 def init_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any) -> State:
-    """Fresh state for `batch` sequences of at most `max_len` tokens."""
+    """Fresh state for `batch` sequences of at most `max_len` tokens, placed on the default device
+    (committed, like the loaded params and the step outputs, so every call hits one compiled program)."""
     state = []
     for seg in plan.segments:
         slots = []
@@ -65,7 +66,7 @@ def init_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, d
             shapes = slot_state_shapes(config, kind, seg.reps, batch, max_len, dtype)
             slots.append({k: jnp.full(s, _fill(k), dt) for k, (s, dt) in shapes.items()})
         state.append(slots)
-    return state
+    return jax.device_put(state, jax.devices()[0])
 
 
 def reset_slots(state: State, mask: jax.Array) -> State:
