@@ -9,14 +9,26 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, ModelConfig
 from .generate import GenerateOutput, forward, generate
 from .model import Model
+from .numerics import Numerics
+from .quantization import trn2_rescale
 
 __all__ = ["load", "generate", "forward", "Model", "ModelConfig", "GenerateOutput", "ConfigError", "CheckpointError"]
 __version__ = "0.1.0"
 
 
-def load(path: str | os.PathLike, dtype: str = "float32") -> Model:
+def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: bool | None = None,
+         fp8_max: float = 448.0) -> Model:
     """Load a DeepSeek-V4 checkpoint folder (HF layout: config.json + safetensors) or a folder written
-    by `jdeep convert` (Orbax). dtype: "float32" or "bfloat16" (activations and float weights)."""
+    by `jdeep convert` (Orbax).
+
+    dtype: "float32" or "bfloat16" (activations and float weights). Quantized fp8/fp4 weights stay
+    uint8 codes + ue8m0 exponent bytes and are decoded where used.
+    quantize_activations: DeepSeek's numerics (fp8 activations before fp8/fp4 GEMMs, KV and indexer
+    QAT); the default is True for a quantized checkpoint, False otherwise. False keeps the weights
+    quantized but runs activations, KV and indexer in float (the transformers numerics).
+    fp8_max: 448 (OCP e4m3fn, DeepSeek's) or 240 / 224 for Trainium2's e4m3: activations and KV are
+    quantized to that range and checkpoint fp8 weights are rescaled into it at load (trn2_rescale).
+    """
     import jax
     import numpy as np
 
@@ -30,10 +42,15 @@ def load(path: str | os.PathLike, dtype: str = "float32") -> Model:
     jdtype = as_jax_dtype(dtype)
     config = ModelConfig.from_file(path)
     plan = build_plan(config)
+    numerics = Numerics.for_config(config, quantize_activations, fp8_max)
+    device = jax.devices()[0]   # one placement for both sources, so both hit the same compiled programs
     if checkpoint.is_converted(path):
-        params = checkpoint.restore_converted(path, config, plan, jdtype)
+        params = jax.device_put(checkpoint.restore_converted(path, config, plan, jdtype), device)
     else:
-        params = checkpoint.load_params(path, config, plan, np.dtype(jdtype))
-    # One placement for both sources, so both hit the same compiled programs.
-    params = jax.device_put(params, jax.devices()[0])
-    return Model(config, plan, params, jdtype)
+        rescale = None
+        if numerics.trn2_weights:
+            def rescale(codes, scale, block):
+                return trn2_rescale(codes, scale, block, numerics.fp8_max)
+        params = checkpoint.load_params(path, config, plan, np.dtype(jdtype),
+                                        place=lambda a: jax.device_put(a, device), fp8_rescale=rescale)
+    return Model(config, plan, params, jdtype, numerics)

@@ -18,10 +18,11 @@ import ml_dtypes
 import numpy as np
 
 from .config import ConfigError, ModelConfig
-from .param_spec import F32, INDEX, TensorSpec, layer_specs, leaf_shape, top_specs
+from .kernels import codecs
+from .param_spec import FP4, FP8, FP8_DEQUANT, INDEX, TensorSpec, layer_specs, top_specs, tree_leaves
 from .plan import LayerPlan
 
-__all__ = ["CheckpointError", "SafetensorsFile", "CheckpointReader", "load_params", "abstract_params",
+__all__ = ["CheckpointError", "SafetensorsFile", "CheckpointReader", "load_params", "abstract_params", "validate_checkpoint",
            "save_converted", "restore_converted", "is_converted", "write_safetensors"]
 
 # safetensors dtype name -> numpy dtype (fp8 codes are read as raw uint8 bytes, never as float8)
@@ -155,12 +156,11 @@ def _expected(config: ModelConfig, plan: LayerPlan) -> Iterator[tuple[str, Tenso
                     yield f"layers.{layer}.{spec.name}", spec, ("seg", s, slot, rep)
 
 
-def _np_dtype(kind: str, dtype: Any) -> np.dtype:
-    if kind == F32:
-        return np.dtype(np.float32)
-    if kind == INDEX:
-        return np.dtype(np.int32)
-    return np.dtype(dtype)
+_LEAF_DTYPES = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32), "u8": np.dtype(np.uint8)}
+
+
+def _leaf_dtype(cls: str, dtype: Any) -> np.dtype:
+    return _LEAF_DTYPES.get(cls, np.dtype(dtype))
 
 
 def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
@@ -175,22 +175,31 @@ def _get_path(tree: dict, path: tuple[str, ...]) -> Any:
     return tree
 
 
-def _build_tree(config: ModelConfig, plan: LayerPlan, dtype: Any, make: Callable[[tuple, np.dtype], Any]) -> dict:
-    params: dict[str, Any] = {}
+def _leaf_plan(config: ModelConfig, plan: LayerPlan) -> dict[tuple, tuple[tuple[int, ...], str]]:
+    """Every tree leaf: key (("top",) | ("seg", s, slot)) + path -> (full shape, dtype class)."""
+    leaves: dict[tuple, tuple[tuple[int, ...], str]] = {}
     for spec in top_specs(config):
-        _set_path(params, spec.path, make(spec.shape, _np_dtype(spec.kind, dtype)))
-    segments = []
-    for seg in plan.segments:
-        slots = []
-        for kind in seg.pattern:
-            tree: dict[str, Any] = {}
+        for path, shape, cls in tree_leaves(spec):
+            leaves[("top",) + path] = (shape, cls)
+    for s, seg in enumerate(plan.segments):
+        for slot, kind in enumerate(seg.pattern):
             for spec in layer_specs(config, kind):
                 if spec.expert not in (None, 0):
                     continue
-                _set_path(tree, spec.path, make((seg.reps,) + leaf_shape(spec, config), _np_dtype(spec.kind, dtype)))
-            slots.append(tree)
-        segments.append(slots)
-    params["segments"] = segments
+                extra = (config.n_routed_experts,) if spec.expert is not None else ()
+                for path, shape, cls in tree_leaves(spec):
+                    leaves[("seg", s, slot) + path] = ((seg.reps,) + extra + shape, cls)
+    return leaves
+
+
+def _build_tree(config: ModelConfig, plan: LayerPlan, dtype: Any, make: Callable[[tuple, np.dtype], Any]) -> dict:
+    params: dict[str, Any] = {"segments": [[{} for _ in seg.pattern] for seg in plan.segments]}
+    for key, (shape, cls) in _leaf_plan(config, plan).items():
+        leaf = make(shape, _leaf_dtype(cls, dtype))
+        if key[0] == "top":
+            _set_path(params, key[1:], leaf)
+        else:
+            _set_path(params["segments"][key[1]][key[2]], key[3:], leaf)
     return params
 
 
@@ -201,30 +210,71 @@ def abstract_params(config: ModelConfig, plan: LayerPlan, dtype: Any) -> dict:
     return _build_tree(config, plan, dtype, lambda shape, dt: jax.ShapeDtypeStruct(shape, dt))
 
 
-def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
-                progress: Callable[[int, int], None] | None = None) -> dict:
-    """Read and validate every tensor; returns a numpy param tree (host memory).
+# checkpoint dtypes accepted per role
+_OK_DTYPES = {
+    "float": _FLOAT_ST, "index": _INT_ST, "fp8": {"F8_E4M3", "U8"}, "fp4": {"I8", "U8"},
+    "scale": {"F8_E8M0", "U8", "F32"},
+}
 
-    Raises CheckpointError listing every missing, unexpected, mis-shaped or wrongly typed tensor.
-    `mtp.*` tensors (the multi-token-prediction block, not run by jdeep) are accepted and skipped.
-    """
-    reader = CheckpointReader(folder)
+
+def _roles(spec: TensorSpec) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(checkpoint name, role, stored shape, leaf sub-path suffix) of the tensors behind one spec."""
+    if spec.kind == INDEX:
+        return [(spec.name, "index", spec.shape, "")]
+    if spec.fmt in (FP8, FP8_DEQUANT):
+        return [(spec.name, "fp8", spec.shape, "codes"), (spec.scale_name, "scale", spec.scale_shape, "scale")]
+    if spec.fmt == FP4:
+        return [(spec.name, "fp4", spec.stored_shape, "packed"), (spec.scale_name, "scale", spec.scale_shape, "scale")]
+    return [(spec.name, "float", spec.shape, "")]
+
+
+def _scale_bytes(arr: np.ndarray, st_dtype: str, name: str) -> np.ndarray:
+    """ue8m0 exponent bytes from an F8_E8M0/U8 tensor, or from float32 powers of two."""
+    if st_dtype != "F32":
+        return arr.view(np.uint8)
+    a = np.asarray(arr, np.float32)
+    mant, _ = np.frexp(a)
+    if not (np.all(a > 0) and np.all(mant == 0.5)):
+        raise CheckpointError(f"tensor {name!r}: float32 scales must be positive powers of two (ue8m0)")
+    return (codecs.floor_log2(np, a) + 127).astype(np.uint8)
+
+
+def _dequant_host(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """fp8 codes + ue8m0 block exponents -> float32 (exact), on the host."""
+    w = _E4M3FN_LUT[codes]
+    s = codecs.ue8m0_decode(np, scale)
+    s = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[: w.shape[0], : w.shape[1]]
+    return w * s
+
+
+_E4M3FN_LUT = codecs.e4m3_decode(np, np.arange(256)).astype(np.float32)
+
+
+def validate_checkpoint(reader: "CheckpointReader", config: ModelConfig, plan: LayerPlan, folder: str) -> list:
+    """Check names, shapes and dtypes from the headers only; returns the expected (name, spec, dest) list."""
     expected = list(_expected(config, plan))
     present = set(reader.keys())
-    wanted = {name for name, _, _ in expected}
+    wanted: set[str] = set()
     problems: list[str] = []
     for name, spec, _ in expected:
-        if name not in present:
-            problems.append(f"missing tensor {name!r} (expected shape {list(spec.shape)})")
-            continue
-        e = reader.entry(name)
-        if e.shape != spec.shape:
-            problems.append(f"tensor {name!r} has shape {list(e.shape)}, expected {list(spec.shape)}")
-        ok = e.dtype in (_INT_ST if spec.kind == INDEX else _FLOAT_ST)
-        if not ok:
-            what = "an integer" if spec.kind == INDEX else "a float (F32/BF16/F16)"
-            hint = " (quantized fp8/fp4 checkpoints are not supported by this version)" if e.dtype.startswith("F8") or e.dtype == "I8" else ""
-            problems.append(f"tensor {name!r} has dtype {e.dtype}, expected {what}{hint}")
+        for tname, role, shape, _suffix in _roles(spec):
+            full = name[: len(name) - len(spec.name)] + tname
+            wanted.add(full)
+            if full not in present:
+                problems.append(f"missing tensor {full!r} (expected shape {list(shape)})")
+                continue
+            e = reader.entry(full)
+            if e.shape != shape:
+                problems.append(f"tensor {full!r} has shape {list(e.shape)}, expected {list(shape)}")
+            if e.dtype not in _OK_DTYPES[role]:
+                what = {"float": "a float (F32/BF16/F16)", "index": "an integer", "fp8": "fp8 e4m3 codes (F8_E4M3)",
+                        "fp4": "packed fp4 codes (I8)", "scale": "ue8m0 scales (F8_E8M0)"}[role]
+                hint = ""
+                if role == "float" and (e.dtype.startswith("F8") or e.dtype == "I8"):
+                    hint = " (the tensor is quantized but config.json has no quantization_config)"
+                elif role in ("fp8", "fp4") and e.dtype in _FLOAT_ST:
+                    hint = " (config.json declares a quantized checkpoint, this tensor is not quantized)"
+                problems.append(f"tensor {full!r} has dtype {e.dtype}, expected {what}{hint}")
     for name in sorted(present - wanted):
         if name.startswith("mtp."):
             continue
@@ -232,26 +282,89 @@ def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
     if problems:
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
         raise CheckpointError(f"checkpoint {folder} does not match its config.json: " + "; ".join(shown))
+    return expected
 
-    params = _build_tree(config, plan, dtype, lambda shape, dt: np.empty(shape, dt))
-    for i, (name, spec, dest) in enumerate(expected):
-        arr = reader.get(name)
-        if spec.kind == INDEX:
-            if arr.size and (arr.min() < 0 or arr.max() >= config.n_routed_experts):
-                raise CheckpointError(f"tensor {name!r} holds expert ids outside [0, {config.n_routed_experts})")
-        if dest[0] == "top":
-            leaf = _get_path(params, spec.path)
-            leaf[...] = arr
-        else:
-            _, s, slot, rep = dest
-            leaf = _get_path(params["segments"][s][slot], spec.path)
-            if spec.expert is not None:
-                leaf[rep, spec.expert] = arr
+
+def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
+                progress: Callable[[int, int], None] | None = None,
+                place: Callable[[np.ndarray], Any] | None = None,
+                fp8_rescale: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None) -> dict:
+    """Read and validate every tensor into jdeep's param tree.
+
+    Validation (names, shapes, dtypes) runs on the headers before any data is read and raises one
+    CheckpointError listing every missing, unexpected, mis-shaped or wrongly typed tensor. `mtp.*`
+    tensors (the multi-token-prediction block, not run by jdeep) are accepted and skipped.
+    Leaves are built one at a time and handed to `place` (e.g. a device put) before the next one is
+    read, so host memory holds at most one stacked leaf beyond what `place` keeps.
+    `fp8_rescale(codes, scale) -> (codes, scale)` optionally rewrites fp8 weights (trn2 range).
+    """
+    reader = CheckpointReader(folder)
+    expected = validate_checkpoint(reader, config, plan, folder)
+    place = place or (lambda a: a)
+
+    # group the checkpoint tensors by the leaf they fill
+    fills: dict[tuple, list] = {}
+    for name, spec, dest in expected:
+        prefix = name[: len(name) - len(spec.name)]
+        key0 = ("top",) if dest[0] == "top" else ("seg", dest[1], dest[2])
+        for tname, role, _shape, suffix in _roles(spec):
+            if spec.fmt == FP8_DEQUANT:
+                path = key0 + spec.path
             else:
-                leaf[rep] = arr
+                path = key0 + spec.path + ((suffix,) if suffix else ())
+            idx = () if dest[0] == "top" else (dest[3],) + ((spec.expert,) if spec.expert is not None else ())
+            fills.setdefault(path, []).append((prefix + tname, role, spec, idx))
+
+    leaves = _leaf_plan(config, plan)
+    params: dict[str, Any] = {"segments": [[{} for _ in seg.pattern] for seg in plan.segments]}
+    done = 0
+    for key, (shape, cls) in leaves.items():
+        buf = np.empty(shape, _leaf_dtype(cls, dtype))
+        items = fills[key]
+        if items[0][2].fmt == FP8_DEQUANT:       # wo_a: codes + scale -> bf16 values
+            by_idx: dict[tuple, dict] = {}
+            for name, role, spec, idx in items:
+                by_idx.setdefault(idx, {"spec": spec})[role] = name
+            for idx, d in by_idx.items():
+                codes = reader.get(d["fp8"]).view(np.uint8)
+                scale = _scale_bytes(reader.get(d["scale"]), reader.entry(d["scale"]).dtype, d["scale"])
+                w = _dequant_host(codes, scale, d["spec"].block)
+                buf[idx] = w.astype(ml_dtypes.bfloat16).astype(buf.dtype)
+        else:
+            for name, role, spec, idx in items:
+                arr = reader.get(name)
+                if role == "index":
+                    if arr.size and (arr.min() < 0 or arr.max() >= config.n_routed_experts):
+                        raise CheckpointError(f"tensor {name!r} holds expert ids outside [0, {config.n_routed_experts})")
+                    buf[idx] = arr
+                elif role == "scale":
+                    buf[idx] = _scale_bytes(arr, reader.entry(name).dtype, name)
+                elif role in ("fp8", "fp4"):
+                    buf[idx] = arr.view(np.uint8)
+                else:
+                    buf[idx] = arr
+        if fp8_rescale is not None and key[-1] == "codes":
+            scale_key = key[:-1] + ("scale",)
+            sbuf = np.empty(leaves[scale_key][0], np.uint8)
+            for name, role, spec, idx in fills[scale_key]:
+                sbuf[idx] = _scale_bytes(reader.get(name), reader.entry(name).dtype, name)
+            buf, sbuf = fp8_rescale(buf, sbuf, items[0][2].block)
+            _put(params, scale_key, place(sbuf))
+        elif fp8_rescale is not None and key[-1] == "scale" and key[:-1] + ("codes",) in leaves:
+            continue                              # placed together with its codes
+        _put(params, key, place(buf))
+        del buf
+        done += len(items)
         if progress is not None:
-            progress(i + 1, len(expected))
+            progress(done, sum(len(v) for v in fills.values()))
     return params
+
+
+def _put(params: dict, key: tuple, value: Any) -> None:
+    if key[0] == "top":
+        _set_path(params, key[1:], value)
+    else:
+        _set_path(params["segments"][key[1]][key[2]], key[3:], value)
 
 
 # ---------------------------------------------------------------------------- writing

@@ -126,9 +126,10 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     state = init_state(model.config, model.plan, Bb, max_len, model.dtype)
     first, state = prefill(model, state, prompts, prefill_chunk)
     lens = jnp.asarray(np.array([len(p) for p in prompts] + [0] * (Bb - B), np.int32))
-    step = functools.partial(model_step, config=model.config, plan=model.plan, all_logits=False)
+    step = functools.partial(model_step, config=model.config, plan=model.plan, numerics=model.numerics,
+                             all_logits=False)
     toks, logits, _ = _decode_loop(model.params, state, first, lens, jax.random.PRNGKey(seed),
-                                   model_step_fn=_Hashable(step, (model.config, model.plan)),
+                                   model_step_fn=_Hashable(step, (model.config, model.plan, model.numerics)),
                                    n_steps=max_new_tokens - 1, temperature=float(temperature),
                                    keep_logits=return_logits)
     return GenerateOutput(np.asarray(toks)[:B], np.asarray(logits)[:B] if return_logits else None)

@@ -24,6 +24,7 @@ from .layers.linear import linear_f32
 from .layers.mhc import hc_head_collapse
 from .layers.norm import rms_norm
 from .layers.rope import inv_freq
+from .numerics import Numerics
 from .plan import LayerPlan, Segment
 
 __all__ = ["Model", "model_step", "DTYPES"]
@@ -38,7 +39,8 @@ def _split_experts(slot_params: dict) -> tuple[dict, dict]:
     return rest, {k: ffn[k] for k in _EXPERT_KEYS}
 
 
-def _run_segment(seg: Segment, seg_params: list, seg_state: list, X: jax.Array, chunk, config: ModelConfig):
+def _run_segment(seg: Segment, seg_params: list, seg_state: list, X: jax.Array, chunk, config: ModelConfig,
+                 numerics: Numerics):
     split = [_split_experts(sp) for sp in seg_params]
     per_layer = [s[0] for s in split]
     experts = [s[1] for s in split]
@@ -48,7 +50,8 @@ def _run_segment(seg: Segment, seg_params: list, seg_state: list, X: jax.Array, 
         X, st, r = carry
         st = list(st)
         for j, kind in enumerate(seg.pattern):
-            X, st[j] = block(p_slots[j], experts[j], st[j], r, X, chunk, config=config, kind=kind, freqs=freqs[j])
+            X, st[j] = block(p_slots[j], experts[j], st[j], r, X, chunk, config=config, numerics=numerics,
+                             kind=kind, freqs=freqs[j])
         return (X, st, r + 1), None
 
     (X, seg_state, _), _ = jax.lax.scan(body, (X, list(seg_state), jnp.int32(0)), per_layer)
@@ -56,7 +59,7 @@ def _run_segment(seg: Segment, seg_params: list, seg_state: list, X: jax.Array, 
 
 
 def model_step(params: dict, state: list, tokens: jax.Array, positions: jax.Array, *, config: ModelConfig,
-               plan: LayerPlan, all_logits: bool = False) -> tuple[jax.Array, list]:
+               plan: LayerPlan, numerics: Numerics = Numerics(), all_logits: bool = False) -> tuple[jax.Array, list]:
     """One chunk through the model.
 
     tokens int32 [B, S]; positions int32 [B, S] (absolute, consecutive per row, -1 = padding after the
@@ -68,7 +71,7 @@ def model_step(params: dict, state: list, tokens: jax.Array, positions: jax.Arra
     X = jnp.broadcast_to(x[:, :, None, :], x.shape[:2] + (config.hc_mult, x.shape[-1]))
     new_state = []
     for s, seg in enumerate(plan.segments):
-        X, seg_state = _run_segment(seg, params["segments"][s], state[s], X, chunk, config)
+        X, seg_state = _run_segment(seg, params["segments"][s], state[s], X, chunk, config, numerics)
         new_state.append(seg_state)
     if not all_logits:
         last = jnp.clip(chunk.n_valid - 1, 0, X.shape[1] - 1)
@@ -80,9 +83,9 @@ def model_step(params: dict, state: list, tokens: jax.Array, positions: jax.Arra
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_step(config: ModelConfig, plan: LayerPlan, all_logits: bool) -> Callable:
-    """One jitted step per (architecture, logits mode), shared by every Model with that architecture."""
-    fn = functools.partial(model_step, config=config, plan=plan, all_logits=all_logits)
+def compiled_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool) -> Callable:
+    """One jitted step per (architecture, numerics, logits mode), shared by every Model that has them."""
+    fn = functools.partial(model_step, config=config, plan=plan, numerics=numerics, all_logits=all_logits)
     return jax.jit(fn, donate_argnums=(1,))
 
 
@@ -94,10 +97,11 @@ class Model:
     plan: LayerPlan
     params: dict
     dtype: Any
+    numerics: Numerics = Numerics()
 
     def step_fn(self, all_logits: bool) -> Callable:
         """jit-compiled `model_step(params, state, tokens, positions)`, state donated."""
-        return compiled_step(self.config, self.plan, all_logits)
+        return compiled_step(self.config, self.plan, self.numerics, all_logits)
 
     @property
     def vocab_size(self) -> int:

@@ -9,6 +9,11 @@ Parameter tree (all leaves of one layer kind stacked layer-major, see plan.py):
 
 A layer tree mirrors the checkpoint names without the `.weight` suffix; routed experts are stacked
 on an expert axis: `ffn.w1` [E, I, d], `ffn.w2` [E, d, I], `ffn.w3` [E, I, d].
+
+Quantized checkpoints (a `quantization_config`, model-spec.md §6.2) keep their weights as uint8 codes:
+an fp8 linear becomes {"codes": uint8 [N, K], "scale": uint8 [ceil(N/bn), ceil(K/bk)]} (e4m3 codes,
+ue8m0 exponent bytes), an fp4 linear {"packed": uint8 [N, K/2], "scale": uint8 [N, K/32]} (two e2m1
+codes per byte, low nibble first). `wo_a` is the exception: dequantised at load, as DeepSeek's converter does.
 """
 
 from __future__ import annotations
@@ -18,20 +23,62 @@ from dataclasses import dataclass
 from .config import ModelConfig
 from .plan import LayerKind
 
-__all__ = ["TensorSpec", "layer_specs", "top_specs", "F32", "WEIGHT", "INDEX"]
+__all__ = ["TensorSpec", "layer_specs", "top_specs", "tree_leaves", "F32", "WEIGHT", "INDEX",
+           "FLOAT", "FP8", "FP4", "FP8_DEQUANT", "FP4_BLOCK"]
 
 WEIGHT = "weight"  # stored in the model dtype (float32 or bfloat16)
 F32 = "f32"        # kept float32 whatever the model dtype (mHC, sinks, position bias, gate bias)
 INDEX = "index"    # integer table, stored int32 on the device
+
+# storage formats of a WEIGHT tensor
+FLOAT = "float"              # float in the checkpoint and in the tree
+FP8 = "fp8"                  # e4m3 codes + ue8m0 block scales, kept as codes
+FP4 = "fp4"                  # packed e2m1 codes + ue8m0 per-32 scales, kept as codes
+FP8_DEQUANT = "fp8_dequant"  # fp8 in the checkpoint, dequantised to bf16 values at load (wo_a)
+FP4_BLOCK = 32
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     name: str                 # checkpoint name relative to the layer ("attn.wq_a.weight") or global
     path: tuple[str, ...]     # position in the (layer) parameter tree
-    shape: tuple[int, ...]    # shape in the checkpoint
+    shape: tuple[int, ...]    # logical shape ([N, K] for a linear)
     kind: str                 # WEIGHT, F32 or INDEX
     expert: int | None = None  # routed-expert index: stacked on the tree leaf's axis 0
+    fmt: str = FLOAT
+    block: tuple[int, int] = (128, 128)  # fp8 weight block (rows, cols)
+
+    @property
+    def scale_name(self) -> str:
+        return self.name[: -len(".weight")] + ".scale"
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        N, K = self.shape
+        if self.fmt == FP4:
+            return (N, K // FP4_BLOCK)
+        bn, bk = self.block
+        return (-(-N // bn), -(-K // bk))
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """Shape of the weight tensor in the checkpoint (fp4: two codes per byte)."""
+        return (self.shape[0], self.shape[1] // 2) if self.fmt == FP4 else self.shape
+
+
+def tree_leaves(spec: TensorSpec) -> list[tuple[tuple[str, ...], tuple[int, ...], str]]:
+    """(tree path, per-layer leaf shape, dtype class) of the leaves `spec` fills.
+
+    dtype class: "model" (model dtype), "f32", "i32" or "u8"; expert tensors get the expert axis."""
+    if spec.kind == F32:
+        return [(spec.path, spec.shape, "f32")]
+    if spec.kind == INDEX:
+        return [(spec.path, spec.shape, "i32")]
+    if spec.fmt == FP8:
+        return [(spec.path + ("codes",), spec.shape, "u8"), (spec.path + ("scale",), spec.scale_shape, "u8")]
+    if spec.fmt == FP4:
+        return [(spec.path + ("packed",), spec.stored_shape, "u8"), (spec.path + ("scale",), spec.scale_shape, "u8")]
+    return [(spec.path, spec.shape, "model")]
 
 
 def top_specs(c: ModelConfig) -> list[TensorSpec]:
@@ -46,8 +93,19 @@ def top_specs(c: ModelConfig) -> list[TensorSpec]:
     ]
 
 
+def weight_formats(c: ModelConfig) -> tuple[str, str, tuple[int, int]]:
+    """(dense fp8 format, routed-expert format, fp8 weight block) for a config's checkpoint."""
+    q = c.quantization
+    if not q or q.get("quant_method", "fp8") != "fp8":
+        return FLOAT, FLOAT, (128, 128)
+    block = tuple(q.get("weight_block_size", (128, 128)))
+    expert = FP4 if q.get("expert_dtype") == "fp4" else FP8
+    return FP8, expert, (int(block[0]), int(block[1]))
+
+
 def layer_specs(c: ModelConfig, kind: LayerKind) -> list[TensorSpec]:
     d, n, D, H = c.dim, c.hc_mult, c.head_dim, c.n_heads
+    dense_fmt, expert_fmt, block = weight_formats(c)
     mix = (2 + n) * n
     specs = [
         TensorSpec("attn_norm.weight", ("attn_norm",), (d,), WEIGHT),
@@ -60,19 +118,22 @@ def layer_specs(c: ModelConfig, kind: LayerKind) -> list[TensorSpec]:
             TensorSpec(f"hc_{part}_scale", (f"hc_{part}_scale",), (3,), F32),
         ]
 
-    def w(name: str, shape: tuple[int, ...], k: str = WEIGHT) -> TensorSpec:
+    def w(name: str, shape: tuple[int, ...], k: str = WEIGHT, fmt: str = FLOAT) -> TensorSpec:
         path = tuple(p for p in name.split(".") if p != "weight")
-        return TensorSpec(name, path, shape, k)
+        return TensorSpec(name, path, shape, k, fmt=fmt, block=block)
+
+    def q8(name: str, shape: tuple[int, int]) -> TensorSpec:
+        return w(name, shape, fmt=dense_fmt)
 
     G = c.o_groups
     specs += [
-        w("attn.wq_a.weight", (c.q_lora_rank, d)),
+        q8("attn.wq_a.weight", (c.q_lora_rank, d)),
         w("attn.q_norm.weight", (c.q_lora_rank,)),
-        w("attn.wq_b.weight", (H * D, c.q_lora_rank)),
-        w("attn.wkv.weight", (D, d)),
+        q8("attn.wq_b.weight", (H * D, c.q_lora_rank)),
+        q8("attn.wkv.weight", (D, d)),
         w("attn.kv_norm.weight", (D,)),
-        w("attn.wo_a.weight", (G * c.o_lora_rank, H * D // G)),
-        w("attn.wo_b.weight", (d, G * c.o_lora_rank)),
+        w("attn.wo_a.weight", (G * c.o_lora_rank, H * D // G), fmt=FP8_DEQUANT if dense_fmt == FP8 else FLOAT),
+        q8("attn.wo_b.weight", (d, G * c.o_lora_rank)),
         w("attn.attn_sink", (H,), F32),
     ]
     m = kind.attn.ratio
@@ -87,7 +148,7 @@ def layer_specs(c: ModelConfig, kind: LayerKind) -> list[TensorSpec]:
     if kind.attn.has_indexer:
         DI, nI = c.index_head_dim, c.index_n_heads
         specs += [
-            w("attn.indexer.wq_b.weight", (nI * DI, c.q_lora_rank)),
+            q8("attn.indexer.wq_b.weight", (nI * DI, c.q_lora_rank)),
             w("attn.indexer.weights_proj.weight", (nI, d)),
             w("attn.indexer.compressor.wkv.weight", (2 * DI, d)),
             w("attn.indexer.compressor.wgate.weight", (2 * DI, d)),
@@ -102,17 +163,18 @@ def layer_specs(c: ModelConfig, kind: LayerKind) -> list[TensorSpec]:
         specs.append(TensorSpec("ffn.gate.bias", ("ffn", "gate", "bias"), (E,), F32))
     for e in range(E):
         for name, shape in (("w1", (I, d)), ("w2", (d, I)), ("w3", (I, d))):
-            specs.append(TensorSpec(f"ffn.experts.{e}.{name}.weight", ("ffn", name), shape, WEIGHT, expert=e))
+            specs.append(TensorSpec(f"ffn.experts.{e}.{name}.weight", ("ffn", name), shape, WEIGHT, expert=e,
+                                    fmt=expert_fmt, block=block))
     specs += [
-        w("ffn.shared_experts.w1.weight", (I, d)),
-        w("ffn.shared_experts.w2.weight", (d, I)),
-        w("ffn.shared_experts.w3.weight", (I, d)),
+        q8("ffn.shared_experts.w1.weight", (I, d)),
+        q8("ffn.shared_experts.w2.weight", (d, I)),
+        q8("ffn.shared_experts.w3.weight", (I, d)),
     ]
     return specs
 
 
 def leaf_shape(spec: TensorSpec, c: ModelConfig) -> tuple[int, ...]:
-    """Shape of the tree leaf (per layer) that `spec` fills."""
+    """Shape of the (float) tree leaf (per layer) that `spec` fills."""
     if spec.expert is not None:
         return (c.n_routed_experts,) + spec.shape
     return spec.shape

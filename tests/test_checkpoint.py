@@ -222,8 +222,9 @@ def test_load_params_progress(single, model):
     calls = []
     load_params(single, model.config, model.plan, np.float32, progress=lambda i, n: calls.append((i, n)))
     n = calls[-1][1]
-    assert calls == [(i + 1, n) for i in range(n)]
-    assert n == len(_read_all(single))  # one call per tensor of the file
+    done = [i for i, _ in calls]
+    assert done == sorted(done) and done[-1] == n and all(t == n for _, t in calls)
+    assert n == len(_read_all(single))  # counts every tensor of the file
 
 
 def test_bfloat16_checkpoint_file(tmp_path, model):
@@ -428,9 +429,17 @@ def test_corrupt_safetensors_header(single, tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir(Q_DIR), reason="golden checkpoints not available")
-def test_quantized_golden_rejected_clearly():
-    with pytest.raises(CheckpointError, match=r"'layers\.0\.attn\.wq_a\.weight' has dtype F8_E4M3.*quantized"):
-        jdeep.load(Q_DIR)
+def test_quantized_tensors_without_quantization_config_rejected_clearly(tmp_path):
+    """The quantized golden with its quantization_config removed: fp8 tensors where floats are expected."""
+    folder = tmp_path / "q-no-qc"
+    folder.mkdir()
+    shutil.copy(os.path.join(Q_DIR, "model.safetensors"), folder / "model.safetensors")
+    with open(os.path.join(Q_DIR, "config.json")) as f:
+        raw = json.load(f)
+    raw.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"'layers\.0\.attn\.wq_a\.weight' has dtype F8_E4M3.*no quantization_config"):
+        jdeep.load(folder)
 
 
 def test_write_read_safetensors_round_trip(tmp_path):

@@ -48,53 +48,83 @@ def _swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
     return jax.nn.silu(g) * u
 
 
+def _act(x: jax.Array, numerics, quantized: bool) -> jax.Array:
+    """The GEMM input as DeepSeek's numerics see it: fp8 act_quant before a quantized weight."""
+    from .quant import fp8_fake_quant
+
+    if quantized and numerics is not None and numerics.quantize_activations:
+        return fp8_fake_quant(x, numerics.act_block, numerics.fp8_max)
+    return x
+
+
+def _weights(w, select, numerics, dtype) -> jax.Array:
+    """Float expert weights, or quantized ones ({"codes"|"packed", "scale"}) decoded after `select`
+    picks the wanted rows (only the chosen experts are decoded)."""
+    if not isinstance(w, dict):
+        return select(w)
+    from ..layers.linear import dequant
+
+    return dequant({k: select(v) for k, v in w.items()}, numerics, dtype)
+
+
 @register("moe_experts_gather")
-def moe_experts_gather(x: jax.Array, idx: jax.Array, weight: jax.Array, w1: jax.Array, w2: jax.Array,
-                       w3: jax.Array, layer: jax.Array, limit: float) -> jax.Array:
+def moe_experts_gather(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w3, layer: jax.Array,
+                       limit: float, numerics=None) -> jax.Array:
     """Routed experts by gathering each token's k expert matrices (small token counts: decode).
 
     x [T, d]; idx int32 [T, k]; weight fp32 [T, k]; w1, w3 [R, E, I, d], w2 [R, E, d, I] (all layers,
-    `layer` picks one). The routing weight multiplies the activation before w2. Returns fp32 [T, d].
+    `layer` picks one; float arrays or quantized leaves). The routing weight multiplies the activation
+    before w2 (which is then act-quantised under DeepSeek's numerics). Returns fp32 [T, d].
     """
-    W1, W3, W2 = w1[layer, idx], w3[layer, idx], w2[layer, idx]          # [T, k, I, d] / [T, k, d, I]
-    h1 = jnp.einsum("td,tkid->tki", x, W1, precision=HIGHEST, preferred_element_type=jnp.float32)
-    h3 = jnp.einsum("td,tkid->tki", x, W3, precision=HIGHEST, preferred_element_type=jnp.float32)
-    a = (_swiglu(h1, h3, limit) * weight[..., None]).astype(x.dtype)
+    def pick(a):
+        return a[layer, idx]
+
+    W1, W3, W2 = (_weights(w, pick, numerics, x.dtype) for w in (w1, w3, w2))   # [T, k, I, d] / [T, k, d, I]
+    q = isinstance(w1, dict)
+    xa = _act(x, numerics, q)
+    h1 = jnp.einsum("td,tkid->tki", xa, W1, precision=HIGHEST, preferred_element_type=jnp.float32)
+    h3 = jnp.einsum("td,tkid->tki", xa, W3, precision=HIGHEST, preferred_element_type=jnp.float32)
+    a = _act((_swiglu(h1, h3, limit) * weight[..., None]).astype(x.dtype), numerics, q)
     y = jnp.einsum("tki,tkdi->tkd", a, W2, precision=HIGHEST, preferred_element_type=jnp.float32)
     return jnp.sum(y, axis=1)
 
 
 @register("moe_experts_grouped")
-def moe_experts_grouped(x: jax.Array, idx: jax.Array, weight: jax.Array, w1: jax.Array, w2: jax.Array,
-                        w3: jax.Array, layer: jax.Array, limit: float) -> jax.Array:
+def moe_experts_grouped(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w3, layer: jax.Array,
+                        limit: float, numerics=None) -> jax.Array:
     """Routed experts as grouped matmuls over tokens sorted by expert (large token counts: prefill).
 
     Same contract as `moe_experts_gather`. Static shapes: T*k rows, group sizes per expert.
     """
     T, k = idx.shape
-    E = w1.shape[1]
+    E = (w1["scale"] if isinstance(w1, dict) else w1).shape[1]
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     inverse = jnp.argsort(order, stable=True)
-    xs = x[order // k]
+    q = isinstance(w1, dict)
+    xs = _act(x, numerics, q)[order // k]
     sizes = jnp.sum(jax.nn.one_hot(flat, E, dtype=jnp.int32), axis=0)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
-    def gmm(lhs, rhs):
+    def gmm(lhs, w):
+        rhs = _weights(w, lambda a: a[layer], numerics, x.dtype)
         return jax.lax.ragged_dot_general(lhs, rhs, sizes, dims, precision=HIGHEST,
                                           preferred_element_type=jnp.float32)
 
-    h1, h3 = gmm(xs, w1[layer]), gmm(xs, w3[layer])
-    a = (_swiglu(h1, h3, limit) * weight.reshape(-1)[order][:, None]).astype(x.dtype)
-    y = gmm(a, w2[layer])                                                 # [T*k, d] fp32
+    h1, h3 = gmm(xs, w1), gmm(xs, w3)
+    a = _act((_swiglu(h1, h3, limit) * weight.reshape(-1)[order][:, None]).astype(x.dtype), numerics, q)
+    y = gmm(a, w2)                                                        # [T*k, d] fp32
     return jnp.sum(y[inverse].reshape(T, k, -1), axis=1)
 
 
 @register("shared_expert")
-def shared_expert(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, limit: float) -> jax.Array:
-    """The always-on SwiGLU expert: x [..., d] -> fp32 [..., d]."""
-    h1 = jnp.einsum("...d,id->...i", x, w1, precision=HIGHEST, preferred_element_type=jnp.float32)
-    h3 = jnp.einsum("...d,id->...i", x, w3, precision=HIGHEST, preferred_element_type=jnp.float32)
+def shared_expert(x: jax.Array, w1, w2, w3, limit: float, numerics=None) -> jax.Array:
+    """The always-on SwiGLU expert: x [..., d] -> fp32 [..., d] (float or quantized weights)."""
+    W1, W3, W2 = (_weights(w, lambda a: a, numerics, x.dtype) for w in (w1, w3, w2))
+    xa = _act(x, numerics, isinstance(w1, dict))
+    h1 = jnp.einsum("...d,id->...i", xa, W1, precision=HIGHEST, preferred_element_type=jnp.float32)
+    h3 = jnp.einsum("...d,id->...i", xa, W3, precision=HIGHEST, preferred_element_type=jnp.float32)
     a = _swiglu(h1, h3, limit).astype(x.dtype)
-    return jnp.einsum("...i,di->...d", a, w2, precision=HIGHEST, preferred_element_type=jnp.float32)
+    a = _act(a, numerics, isinstance(w2, dict))
+    return jnp.einsum("...i,di->...d", a, W2, precision=HIGHEST, preferred_element_type=jnp.float32)

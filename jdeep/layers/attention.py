@@ -13,7 +13,9 @@ from ..config import AttentionKind, ModelConfig
 from .chunk import Chunk
 from .compressor import compress_chunk
 from .indexer import index_select
-from .linear import linear
+from ..kernels.quant import fp8_fake_quant
+from ..numerics import Numerics
+from .linear import dense
 from .norm import rms_norm
 from .rope import apply_rope
 
@@ -32,6 +34,15 @@ def _window_keys(st: dict, layer: jax.Array, chunk: Chunk, W: int) -> tuple[jax.
     return ring, visible
 
 
+def _kv_qat(numerics: Numerics, rope_dim: int):
+    """DeepSeek's KV storage simulation: fp8 (1 x kv_block groups) on the non-rope dims; rope dims untouched."""
+    def qat(kv: jax.Array) -> jax.Array:
+        nope = fp8_fake_quant(kv[..., :-rope_dim], numerics.kv_block, numerics.fp8_max)
+        return jnp.concatenate([nope, kv[..., -rope_dim:]], axis=-1)
+
+    return qat
+
+
 def _head_rms(q: jax.Array, eps: float) -> jax.Array:
     """Weightless per-head RMS norm computed in the activation dtype, as DeepSeek's reference does
     (bf16 square and rsqrt; the mean accumulates in fp32 but is rounded back), not upcast like RMSNorm."""
@@ -40,18 +51,21 @@ def _head_rms(q: jax.Array, eps: float) -> jax.Array:
 
 
 def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *, config: ModelConfig,
-              kind: AttentionKind, freqs: np.ndarray) -> tuple[jax.Array, dict]:
+              numerics: Numerics, kind: AttentionKind, freqs: np.ndarray) -> tuple[jax.Array, dict]:
     """x [B, S, d] (after attn_norm) -> ([B, S, d], updated state of this layer kind)."""
     B, S, _ = x.shape
     H, D, W, eps = config.n_heads, config.head_dim, config.window_size, config.norm_eps
     pos = chunk.positions
+    qat = _kv_qat(numerics, config.rope_head_dim) if numerics.quantize_activations else None
 
-    q_latent = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
-    q = linear(q_latent, p["wq_b"]).reshape(B, S, H, D)
+    q_latent = rms_norm(dense(x, p["wq_a"], numerics), p["q_norm"], eps)
+    q = dense(q_latent, p["wq_b"], numerics).reshape(B, S, H, D)
     q = _head_rms(q, eps)
     q = apply_rope(q, pos[..., None], freqs)
-    kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"], eps)
+    kv = rms_norm(dense(x, p["wkv"], numerics), p["kv_norm"], eps)
     kv = apply_rope(kv, pos, freqs)                                         # [B, S, D]
+    if qat is not None:
+        kv = qat(kv)
 
     ring, ring_visible = _window_keys(st, layer, chunk, W)
     t = pos[..., None]
@@ -64,12 +78,12 @@ def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *
     if m > 0:
         ckv, cbuf_kv, cbuf_sc = compress_chunk(
             x, p["compressor"], st["ckv"], st["cbuf_kv"], st["cbuf_score"], layer, chunk,
-            ratio=m, overlap=kind.overlap, freqs=freqs, norm_eps=eps)
+            ratio=m, overlap=kind.overlap, freqs=freqs, norm_eps=eps, qat=qat)
         st = {**st, "ckv": ckv, "cbuf_kv": cbuf_kv, "cbuf_score": cbuf_sc}
         entries = ckv[layer]                                                 # [B, Tc+1, D]
         if kind.has_indexer:
             idx, selected, st = index_select(x, q_latent, p["indexer"], st, layer, chunk,
-                                             config=config, ratio=m, freqs=freqs)
+                                             config=config, numerics=numerics, ratio=m, freqs=freqs)
             sel_keys = jnp.take_along_axis(entries[:, None], idx[..., None], axis=2)   # [B, S, K, D]
             sel_mask = selected
         else:
@@ -93,4 +107,4 @@ def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *
     wo_a = p["wo_a"].reshape(G, config.o_lora_rank, H * D // G)
     u = jnp.einsum("bsgk,gok->bsgo", o.reshape(B, S, G, H * D // G), wo_a,
                    precision=HIGHEST, preferred_element_type=jnp.float32).astype(x.dtype)
-    return linear(u.reshape(B, S, G * config.o_lora_rank), p["wo_b"]), st
+    return dense(u.reshape(B, S, G * config.o_lora_rank), p["wo_b"], numerics), st

@@ -9,7 +9,9 @@ import numpy as np
 from ..config import ModelConfig
 from .chunk import Chunk
 from .compressor import compress_chunk
-from .linear import linear, linear_f32
+from ..kernels.quant import fp4_fake_quant, hadamard
+from ..numerics import Numerics
+from .linear import dense, linear_f32
 from .rope import apply_rope
 
 __all__ = ["index_select"]
@@ -18,7 +20,8 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def index_select(x: jax.Array, q_latent: jax.Array, p: dict, st: dict, layer: jax.Array, chunk: Chunk, *,
-                 config: ModelConfig, ratio: int, freqs: np.ndarray) -> tuple[jax.Array, jax.Array, dict]:
+                 config: ModelConfig, numerics: Numerics, ratio: int, freqs: np.ndarray
+                 ) -> tuple[jax.Array, jax.Array, dict]:
     """Update the indexer's key cache with this chunk and select entries for every query.
 
     x [B, S, d] attention input; q_latent [B, S, q_lora] (c_q). st holds ikeys [R, B, Tc+1, DI] and the
@@ -27,13 +30,19 @@ def index_select(x: jax.Array, q_latent: jax.Array, p: dict, st: dict, layer: ja
     """
     B, S, _ = x.shape
     nI, DI = config.index_n_heads, config.index_head_dim
+    qat = None
+    if numerics.quantize_activations:   # Hadamard rotation, then fp4 QAT of queries and keys
+        def qat(v):
+            return fp4_fake_quant(hadamard(v), numerics.fp4_block)
     ikeys, ibuf_kv, ibuf_sc = compress_chunk(
         x, p["compressor"], st["ikeys"], st["ibuf_kv"], st["ibuf_score"], layer, chunk,
-        ratio=ratio, overlap=True, freqs=freqs, norm_eps=config.norm_eps)
+        ratio=ratio, overlap=True, freqs=freqs, norm_eps=config.norm_eps, qat=qat)
     st = {**st, "ikeys": ikeys, "ibuf_kv": ibuf_kv, "ibuf_score": ibuf_sc}
 
-    q = linear(q_latent, p["wq_b"]).reshape(B, S, nI, DI)
+    q = dense(q_latent, p["wq_b"], numerics).reshape(B, S, nI, DI)
     q = apply_rope(q, chunk.positions[..., None], freqs)
+    if qat is not None:
+        q = qat(q)
     w = linear_f32(x, p["weights_proj"]) * (DI ** -0.5 * nI ** -0.5)        # [B, S, nI]
     keys = ikeys[layer]                                                      # [B, Tc+1, DI]
     s = jnp.einsum("bshd,btd->bsht", q, keys, precision=HIGHEST, preferred_element_type=jnp.float32)

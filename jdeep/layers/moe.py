@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from .. import kernels
 from ..config import ModelConfig
+from ..numerics import Numerics
 from .linear import linear_f32
 
 __all__ = ["route", "moe"]
@@ -30,7 +31,7 @@ def route(x: jax.Array, tokens: jax.Array, p: dict, *, config: ModelConfig, hash
 
 
 def moe(p: dict, experts: dict, layer: jax.Array, x: jax.Array, tokens: jax.Array, *, config: ModelConfig,
-        hash_moe: bool) -> jax.Array:
+        numerics: Numerics, hash_moe: bool) -> jax.Array:
     """x [B, S, d] (after ffn_norm), tokens [B, S] -> [B, S, d].
 
     p: this layer's gate ("gate" weight [E, d], "bias" [E] or "tid2eid" [V, k]) and shared expert;
@@ -41,7 +42,8 @@ def moe(p: dict, experts: dict, layer: jax.Array, x: jax.Array, tokens: jax.Arra
     idx, w = route(xt, tokens.reshape(-1), p["gate"], config=config, hash_moe=hash_moe)
     T, k = idx.shape
     op = "moe_experts_gather" if T * k <= config.n_routed_experts else "moe_experts_grouped"
-    routed = kernels.get(op)(xt, idx, w, experts["w1"], experts["w2"], experts["w3"], layer, config.swiglu_limit)
+    routed = kernels.get(op)(xt, idx, w, experts["w1"], experts["w2"], experts["w3"], layer, config.swiglu_limit,
+                             numerics)
     sh = p["shared_experts"]
-    shared = kernels.get("shared_expert")(xt, sh["w1"], sh["w2"], sh["w3"], config.swiglu_limit)
+    shared = kernels.get("shared_expert")(xt, sh["w1"], sh["w2"], sh["w3"], config.swiglu_limit, numerics)
     return (routed + shared).astype(x.dtype).reshape(B, S, d)

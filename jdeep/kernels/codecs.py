@@ -1,0 +1,149 @@
+"""Low-precision number formats as integer/float arithmetic on uint8 codes (model-spec.md §6.1).
+
+Every function takes the array module (`numpy` on the host, `jax.numpy` in graphs) as `xp` and uses
+only comparisons, selects, 32-bit integer bit ops and multiplications by exact powers of two: no
+bitcast of a float (Neuron rejects bitcasts and float8 graph types, neuron-notes.md §9 S13/S15).
+Codes are produced as int32 and narrowed to uint8 by the caller once, at the store.
+
+Formats
+- e4m3fn (OCP, DeepSeek's fp8): bias 7, 3 mantissa bits, no inf, max ±448 (0x7F/0xFF are NaN).
+- e4m3 as trn2 reads it (IEEE-style): same bits, exponent field 15 reserved (inf/NaN), max ±240.
+- e2m1 (fp4): codes 0..7 -> 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign. Packed two per byte, low nibble first.
+- ue8m0: an exponent byte b meaning 2^(b-127).
+Encoders round to nearest, ties to even, and saturate at the format's maximum.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["pow2", "floor_log2", "ceil_log2", "e4m3_decode", "e4m3_round", "e4m3_encode", "e2m1_decode",
+           "e2m1_round", "e2m1_encode", "pack_e2m1", "unpack_e2m1", "ue8m0_decode", "ue8m0_encode",
+           "E4M3FN_MAX", "E4M3_TRN2_MAX", "E2M1_MAX"]
+
+E4M3FN_MAX = 448.0
+E4M3_TRN2_MAX = 240.0
+E2M1_MAX = 6.0
+
+
+def pow2(xp: Any, e: Any) -> Any:
+    """Exact 2**e (float32) for integer e in [-252, 254], built from multiplications by powers of two."""
+    e = xp.asarray(e).astype(xp.int32)
+    half = e // 2                       # split so that every partial product stays a normal float32
+    out = xp.ones(e.shape, xp.float32)
+    for part in (half, e - half):
+        mag = xp.abs(part)
+        neg = part < 0
+        for bit in range(7):            # |part| <= 127
+            on = ((mag >> bit) & 1) == 1
+            f = xp.where(neg, xp.float32(2.0 ** -(1 << bit)), xp.float32(2.0 ** (1 << bit)))
+            out = out * xp.where(on, f, xp.float32(1.0))
+    return out
+
+
+def floor_log2(xp: Any, v: Any) -> Any:
+    """Exact floor(log2(v)) as int32 for positive finite float32 v (log2 estimate, then corrected)."""
+    v = xp.asarray(v, xp.float32)
+    e = xp.floor(xp.log2(v)).astype(xp.int32)
+    p = pow2(xp, e)
+    e = e - (p > v).astype(xp.int32)
+    e = e + (pow2(xp, e + 1) <= v).astype(xp.int32)
+    return e
+
+
+def ceil_log2(xp: Any, v: Any) -> Any:
+    """Exact ceil(log2(v)) as int32 for positive finite float32 v."""
+    e = floor_log2(xp, v)
+    return e + (pow2(xp, e) < xp.asarray(v, xp.float32)).astype(xp.int32)
+
+
+# ---------------------------------------------------------------------------------------------- fp8
+def e4m3_decode(xp: Any, codes: Any, trn2: bool = False) -> Any:
+    """uint8 codes -> float32 values. e4m3fn: 0x7F/0xFF -> NaN; trn2: exponent field 15 -> ±inf / NaN."""
+    b = xp.asarray(codes).astype(xp.int32)
+    sign = xp.where((b >> 7) == 1, xp.float32(-1.0), xp.float32(1.0))
+    e = (b >> 3) & 15
+    m = (b & 7).astype(xp.float32)
+    mag = xp.where(e == 0, m * xp.float32(2.0 ** -9), (m + 8) * pow2(xp, e - 10))
+    if trn2:
+        special = xp.where(m == 0, xp.float32(np.inf), xp.float32(np.nan))
+        mag = xp.where(e == 15, special, mag)
+    else:
+        mag = xp.where((e == 15) & (m == 7), xp.float32(np.nan), mag)
+    return sign * mag
+
+
+def e4m3_round(xp: Any, x: Any, fp8_max: float = E4M3FN_MAX) -> Any:
+    """Round float32 x onto the e4m3 grid (ties to even), saturating at ±fp8_max."""
+    x = xp.clip(xp.asarray(x, xp.float32), -fp8_max, fp8_max)
+    a = xp.abs(x)
+    e = xp.maximum(floor_log2(xp, xp.maximum(a, xp.float32(2.0 ** -9))), -6)   # subnormals share 2^-6's quantum
+    q = pow2(xp, e - 3)
+    r = xp.round(a / q) * q
+    return xp.where(x < 0, -r, r)
+
+
+def e4m3_encode(xp: Any, x: Any, fp8_max: float = E4M3FN_MAX) -> Any:
+    """float32 x -> int32 codes 0..255 (round to nearest even, saturate). fp8_max 448 (e4m3fn) or 240 (trn2)."""
+    r = e4m3_round(xp, x, fp8_max)
+    a = xp.abs(r)
+    normal = a >= xp.float32(2.0 ** -6)
+    e = floor_log2(xp, xp.maximum(a, xp.float32(2.0 ** -6)))
+    mant = xp.where(normal, a / pow2(xp, e - 3) - 8, a / xp.float32(2.0 ** -9)).astype(xp.int32)
+    field = xp.where(normal, e + 7, 0)
+    sign = (r < 0).astype(xp.int32)
+    return (sign << 7) | (field << 3) | mant
+
+
+# ---------------------------------------------------------------------------------------------- fp4
+def e2m1_decode(xp: Any, codes: Any) -> Any:
+    """int codes 0..15 -> float32 values."""
+    c = xp.asarray(codes).astype(xp.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).astype(xp.float32)
+    mag = xp.where(e == 0, m * xp.float32(0.5), (m + 2) * pow2(xp, e - 2))
+    return xp.where((c >> 3) == 1, -mag, mag)
+
+
+def e2m1_round(xp: Any, x: Any) -> Any:
+    """Round float32 x onto the e2m1 grid (ties to even code), saturating at ±6."""
+    x = xp.clip(xp.asarray(x, xp.float32), -E2M1_MAX, E2M1_MAX)
+    a = xp.abs(x)
+    q = xp.where(a < 2, xp.float32(0.5), xp.where(a < 4, xp.float32(1.0), xp.float32(2.0)))
+    r = xp.round(a / q) * q
+    return xp.where(x < 0, -r, r)
+
+
+def e2m1_encode(xp: Any, x: Any) -> Any:
+    """float32 x -> int32 codes 0..15."""
+    r = e2m1_round(xp, x)
+    a = xp.abs(r)
+    code = xp.where(a < 2, a * 2, xp.where(a < 4, a + 2, a / 2 + 4)).astype(xp.int32)
+    return code | ((r < 0).astype(xp.int32) << 3)
+
+
+def pack_e2m1(xp: Any, codes: Any) -> Any:
+    """int codes [..., K] -> int32 bytes [..., K/2]; element 2c in the low nibble, 2c+1 in the high one."""
+    c = xp.asarray(codes).astype(xp.int32)
+    return (c[..., 0::2] & 15) | ((c[..., 1::2] & 15) << 4)
+
+
+def unpack_e2m1(xp: Any, packed: Any) -> Any:
+    """uint8/int8 bytes [..., K/2] -> int32 codes [..., K]."""
+    b = xp.asarray(packed).astype(xp.int32) & 255
+    lo, hi = b & 15, (b >> 4) & 15
+    return xp.stack([lo, hi], axis=-1).reshape(b.shape[:-1] + (2 * b.shape[-1],))
+
+
+# ---------------------------------------------------------------------------------------------- ue8m0
+def ue8m0_decode(xp: Any, codes: Any) -> Any:
+    """Exponent bytes -> 2^(b-127) as float32 (b = 255 is NaN; 2^-127 is subnormal)."""
+    b = xp.asarray(codes).astype(xp.int32)
+    return xp.where(b == 255, xp.float32(np.nan), pow2(xp, b - 127))
+
+
+def ue8m0_encode(xp: Any, scale: Any) -> Any:
+    """Positive power-of-two float32 scales -> int32 exponent bytes (non powers of two round down)."""
+    return floor_log2(xp, scale) + 127

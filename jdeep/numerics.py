@@ -1,0 +1,42 @@
+"""How a model computes: which of DeepSeek's quantisation simulations run, with which block sizes.
+
+`Numerics` is static (hashable) and travels with the compiled step. With a quantized checkpoint and
+`quantize_activations=True` jdeep runs DeepSeek's reference numerics (model-spec.md §6.3-§6.4):
+fp8 act_quant before every fp8/fp4 GEMM, fp8 QAT of the window and compressed KV (non-rope dims),
+Hadamard + fp4 QAT of the indexer's queries and keys. With `False` the weights stay quantized
+(decoded on the fly) but activations, KV and indexer run in float: the transformers numerics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ModelConfig
+from .kernels.codecs import E4M3FN_MAX, E4M3_TRN2_MAX
+from .param_spec import FP4_BLOCK, weight_formats
+
+__all__ = ["Numerics"]
+
+
+@dataclass(frozen=True)
+class Numerics:
+    quantize_activations: bool = False
+    weight_block: tuple[int, int] = (128, 128)  # fp8 weight blocks (from quantization_config)
+    act_block: int = 128                         # activation groups before fp8/fp4 GEMMs (= weight K block)
+    kv_block: int = 64                           # fp8 QAT groups of the KV's non-rope dims
+    fp4_block: int = FP4_BLOCK                   # fp4 weight scales and indexer QAT groups
+    fp8_max: float = E4M3FN_MAX                  # activation/KV fp8 range (240 or 224 on trn2)
+    trn2_weights: bool = False                   # weight codes were rescaled into trn2's e4m3 at load
+
+    @classmethod
+    def for_config(cls, config: ModelConfig, quantize_activations: bool | None = None,
+                   fp8_max: float = E4M3FN_MAX) -> "Numerics":
+        """Defaults: DeepSeek's numerics for a quantized checkpoint, plain float otherwise."""
+        dense_fmt, _, block = weight_formats(config)
+        quantized = dense_fmt != "float"
+        if quantize_activations is None:
+            quantize_activations = quantized
+        if fp8_max not in (E4M3FN_MAX, E4M3_TRN2_MAX, 224.0):
+            raise ValueError(f"fp8_max must be 448 (e4m3fn), 240 (trn2 e4m3) or 224 (trn2 with margin), got {fp8_max}")
+        return cls(quantize_activations=bool(quantize_activations), weight_block=block, act_block=block[1],
+                   fp8_max=float(fp8_max), trn2_weights=quantized and fp8_max < E4M3FN_MAX)
