@@ -15,6 +15,7 @@ Encoders round to nearest, ties to even, and saturate at the format's maximum.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -29,17 +30,19 @@ E2M1_MAX = 6.0
 
 
 def pow2(xp: Any, e: Any) -> Any:
-    """Exact 2**e (float32) for integer e in [-252, 254], built from multiplications by powers of two."""
+    """2**e as float32 for integer e: exact for e in [-149, 127], inf above (built from
+    multiplications by exact powers of two, no bitcast)."""
     e = xp.asarray(e).astype(xp.int32)
     half = e // 2                       # split so that every partial product stays a normal float32
     out = xp.ones(e.shape, xp.float32)
-    for part in (half, e - half):
-        mag = xp.abs(part)
-        neg = part < 0
-        for bit in range(7):            # |part| <= 127
-            on = ((mag >> bit) & 1) == 1
-            f = xp.where(neg, xp.float32(2.0 ** -(1 << bit)), xp.float32(2.0 ** (1 << bit)))
-            out = out * xp.where(on, f, xp.float32(1.0))
+    with (np.errstate(over="ignore", under="ignore") if xp is np else contextlib.nullcontext()):
+        for part in (half, e - half):
+            mag = xp.abs(part)
+            neg = part < 0
+            for bit in range(7):        # |part| <= 127
+                on = ((mag >> bit) & 1) == 1
+                f = xp.where(neg, xp.float32(2.0 ** -(1 << bit)), xp.float32(2.0 ** (1 << bit)))
+                out = out * xp.where(on, f, xp.float32(1.0))
     return out
 
 

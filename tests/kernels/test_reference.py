@@ -18,6 +18,7 @@ from jdeep.kernels.reference import moe_experts_gather, moe_experts_grouped, sha
 from jdeep.layers.chunk import make_chunk
 from jdeep.layers.indexer import index_select
 from jdeep.layers.moe import route
+from jdeep.numerics import Numerics
 
 
 def close(actual, expected, rtol=1e-5, atol=1e-5):
@@ -344,7 +345,8 @@ def test_index_select():
     @jax.jit
     def step(x, ql, st, positions):
         chunk = make_chunk(jnp.zeros(positions.shape, jnp.int32), positions, 1000)
-        return index_select(x, ql, pj, st, jnp.asarray(layer, jnp.int32), chunk, config=config, ratio=IDX_M,
+        return index_select(x, ql, pj, st, jnp.asarray(layer, jnp.int32), chunk, config=config,
+                            numerics=Numerics(), ratio=IDX_M,
                             freqs=IDX_FREQS)
 
     S = 11
