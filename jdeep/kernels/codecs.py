@@ -96,7 +96,7 @@ def e4m3_encode(xp: Any, x: Any, fp8_max: float = E4M3FN_MAX) -> Any:
     e = floor_log2(xp, xp.maximum(a, xp.float32(2.0 ** -6)))
     mant = xp.where(normal, a / pow2(xp, e - 3) - 8, a / xp.float32(2.0 ** -9)).astype(xp.int32)
     field = xp.where(normal, e + 7, 0)
-    sign = (r < 0).astype(xp.int32)
+    sign = (xp.asarray(x, xp.float32) < 0).astype(xp.int32)     # negatives that round to 0 keep the sign
     return (sign << 7) | (field << 3) | mant
 
 
@@ -124,7 +124,7 @@ def e2m1_encode(xp: Any, x: Any) -> Any:
     r = e2m1_round(xp, x)
     a = xp.abs(r)
     code = xp.where(a < 2, a * 2, xp.where(a < 4, a + 2, a / 2 + 4)).astype(xp.int32)
-    return code | ((r < 0).astype(xp.int32) << 3)
+    return code | ((xp.asarray(x, xp.float32) < 0).astype(xp.int32) << 3)   # -0.25 -> code 8 (-0)
 
 
 def pack_e2m1(xp: Any, codes: Any) -> Any:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from .linear import linear_f32
 
-__all__ = ["hc_mixes", "hc_collapse", "hc_expand", "hc_head_collapse"]
+__all__ = ["hc_mixes", "hc_split_sinkhorn", "hc_collapse", "hc_expand", "hc_head_collapse"]
 
 
 def hc_mixes(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
@@ -19,6 +19,13 @@ def hc_mixes(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, 
     n = X.shape[-2]
     flat = X.reshape(X.shape[:-2] + (-1,)).astype(jnp.float32)
     mu = linear_f32(flat, fn) * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    return hc_split_sinkhorn(mu, scale, base, n=n, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
+
+
+def hc_split_sinkhorn(mu: jax.Array, scale: jax.Array, base: jax.Array, *, n: int, hc_eps: float,
+                      sinkhorn_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Mixes mu [..., (2+n)n] -> pre [..., n], post [..., n], comb [..., n, n] (fp32): sigmoid gates and
+    the Sinkhorn-normalised combination matrix (softmax rows, then alternating column/row sums)."""
     pre = jax.nn.sigmoid(scale[0] * mu[..., :n] + base[:n]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(scale[1] * mu[..., n:2 * n] + base[n:2 * n])
     c = (scale[2] * mu[..., 2 * n:] + base[2 * n:]).reshape(mu.shape[:-1] + (n, n))
