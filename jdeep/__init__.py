@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 
 def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: bool | None = None,
-         fp8_max: float = 448.0) -> Model:
+         fp8_max: float = 448.0, packed_kv: bool = False) -> Model:
     """Load a DeepSeek-V4 checkpoint folder (HF layout: config.json + safetensors) or a folder written
     by `jdeep convert` (Orbax).
 
@@ -28,6 +28,8 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     quantized but runs activations, KV and indexer in float (the transformers numerics).
     fp8_max: 448 (OCP e4m3fn, DeepSeek's) or 240 / 224 for Trainium2's e4m3: activations and KV are
     quantized to that range and checkpoint fp8 weights are rescaled into it at load (trn2_rescale).
+    packed_kv: keep window and compressed KV as uint8 records (fp8 codes, rope bytes, ue8m0 exponents)
+    instead of float rows; needs quantize_activations (the KV QAT makes the records exact).
     """
     import jax
     import numpy as np
@@ -42,7 +44,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     jdtype = as_jax_dtype(dtype)
     config = ModelConfig.from_file(path)
     plan = build_plan(config)
-    numerics = Numerics.for_config(config, quantize_activations, fp8_max)
+    numerics = Numerics.for_config(config, quantize_activations, fp8_max, packed_kv)
     device = jax.devices()[0]   # one placement for both sources, so both hit the same compiled programs
     if checkpoint.is_converted(path):
         params = jax.device_put(checkpoint.restore_converted(path, config, plan, jdtype), device)

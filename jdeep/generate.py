@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .model import Model, model_step
-from .state import init_state
 
 __all__ = ["GenerateOutput", "generate", "forward", "prefill", "validate_prompts", "length_bucket"]
 
@@ -123,7 +122,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     B = len(prompts)
     Bb = 1 << (B - 1).bit_length()
     max_len = length_bucket(longest, 256)
-    state = init_state(model.config, model.plan, Bb, max_len, model.dtype)
+    state = model.init_state(Bb, max_len)
     first, state = prefill(model, state, prompts, prefill_chunk)
     lens = jnp.asarray(np.array([len(p) for p in prompts] + [0] * (Bb - B), np.int32))
     step = functools.partial(model_step, config=model.config, plan=model.plan, numerics=model.numerics,
@@ -156,7 +155,7 @@ def forward(model: Model, token_ids: Sequence[int]) -> np.ndarray:
     (ids,) = validate_prompts(model, [token_ids])
     T = len(ids)
     S = length_bucket(T)
-    state = init_state(model.config, model.plan, 1, S, model.dtype)
+    state = model.init_state(1, S)
     toks = np.zeros((1, S), np.int32)
     pos = np.full((1, S), -1, np.int32)
     toks[0, :T], pos[0, :T] = ids, np.arange(T)

@@ -26,6 +26,7 @@ from .layers.norm import rms_norm
 from .layers.rope import inv_freq
 from .numerics import Numerics
 from .plan import LayerPlan, Segment
+from .state import init_state
 
 __all__ = ["Model", "model_step", "DTYPES"]
 
@@ -102,6 +103,10 @@ class Model:
     def step_fn(self, all_logits: bool) -> Callable:
         """jit-compiled `model_step(params, state, tokens, positions)`, state donated."""
         return compiled_step(self.config, self.plan, self.numerics, all_logits)
+
+    def init_state(self, batch: int, max_len: int) -> list:
+        """Empty decode state for `batch` sequences of up to `max_len` tokens (see state.py)."""
+        return init_state(self.config, self.plan, batch, max_len, self.dtype, self.numerics)
 
     @property
     def vocab_size(self) -> int:

@@ -27,10 +27,11 @@ class Numerics:
     fp4_block: int = FP4_BLOCK                   # fp4 weight scales and indexer QAT groups
     fp8_max: float = E4M3FN_MAX                  # activation/KV fp8 range (240 or 224 on trn2)
     trn2_weights: bool = False                   # weight codes were rescaled into trn2's e4m3 at load
+    packed_kv: bool = False                      # window/compressed KV kept as uint8 records (kv_record.py)
 
     @classmethod
     def for_config(cls, config: ModelConfig, quantize_activations: bool | None = None,
-                   fp8_max: float = E4M3FN_MAX) -> "Numerics":
+                   fp8_max: float = E4M3FN_MAX, packed_kv: bool = False) -> "Numerics":
         """Defaults: DeepSeek's numerics for a quantized checkpoint, plain float otherwise."""
         dense_fmt, _, block = weight_formats(config)
         quantized = dense_fmt != "float"
@@ -38,5 +39,9 @@ class Numerics:
             quantize_activations = quantized
         if fp8_max not in (E4M3FN_MAX, E4M3_TRN2_MAX, 224.0):
             raise ValueError(f"fp8_max must be 448 (e4m3fn), 240 (trn2 e4m3) or 224 (trn2 with margin), got {fp8_max}")
+        if packed_kv and not quantize_activations:
+            raise ValueError("packed_kv=True stores the KV as fp8 records and needs DeepSeek's KV QAT "
+                             "(quantize_activations=True); with float KV it would change the results")
         return cls(quantize_activations=bool(quantize_activations), weight_block=block, act_block=block[1],
-                   fp8_max=float(fp8_max), trn2_weights=quantized and fp8_max < E4M3FN_MAX)
+                   fp8_max=float(fp8_max), trn2_weights=quantized and fp8_max < E4M3FN_MAX,
+                   packed_kv=bool(packed_kv))

@@ -6,6 +6,7 @@ out-of-bounds indices, and the spare row is never visible to a query):
 
     window      [R, B, W+1, D]       act dtype   ring of the last W tokens' K=V, slot t mod W
     ckv         [R, B, Tc+1, D]      act dtype   compressed KV, entry j = tokens j*m .. j*m+m-1
+                (with packed_kv numerics both hold uint8 records [.., record_bytes], kv_record.py)
     cbuf_kv     [R, B, Rc+1, c*D]    fp32        compressor ring of the last Rc tokens' projections
     cbuf_score  [R, B, Rc+1, c*D]    fp32        ... and their gate scores (+ position bias)
     ikeys       [R, B, Tc+1, DI]     act dtype   indexer keys (overlap/indexer layers only)
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
+from .kernels.kv_record import record_bytes
+from .numerics import Numerics
 from .plan import LayerKind, LayerPlan
 
 __all__ = ["slot_state_shapes", "init_state", "state_bytes", "reset_slots"]
@@ -32,15 +35,19 @@ State = list  # list (segments) of list (slots) of dict[str, jax.Array]
 
 
 def slot_state_shapes(config: ModelConfig, kind: LayerKind, reps: int, batch: int, max_len: int,
-                      dtype: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+                      dtype: Any, numerics: Numerics | None = None) -> dict[str, tuple[tuple[int, ...], Any]]:
     D, W = config.head_dim, config.window_size
-    shapes = {"window": ((reps, batch, W + 1, D), dtype)}
+    kv_row, kv_dtype = (D, dtype)
+    if numerics is not None and numerics.packed_kv:
+        kv_row = record_bytes(D, config.rope_head_dim, numerics.kv_block, np.dtype(dtype).itemsize)
+        kv_dtype = jnp.uint8
+    shapes = {"window": ((reps, batch, W + 1, kv_row), kv_dtype)}
     m = kind.attn.ratio
     if m > 0:
         c = 2 if kind.attn.overlap else 1
         rc = c * m
         tc = max_len // m
-        shapes["ckv"] = ((reps, batch, tc + 1, D), dtype)
+        shapes["ckv"] = ((reps, batch, tc + 1, kv_row), kv_dtype)
         shapes["cbuf_kv"] = ((reps, batch, rc + 1, c * D), jnp.float32)
         shapes["cbuf_score"] = ((reps, batch, rc + 1, c * D), jnp.float32)
         if kind.attn.has_indexer:
@@ -56,14 +63,15 @@ def _fill(name: str) -> float:
     return -np.inf if name.endswith("score") else 0.0
 
 
-def init_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any) -> State:
+def init_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any,
+               numerics: Numerics | None = None) -> State:
     """Fresh state for `batch` sequences of at most `max_len` tokens, placed on the default device
     (committed, like the loaded params and the step outputs, so every call hits one compiled program)."""
     state = []
     for seg in plan.segments:
         slots = []
         for kind in seg.pattern:
-            shapes = slot_state_shapes(config, kind, seg.reps, batch, max_len, dtype)
+            shapes = slot_state_shapes(config, kind, seg.reps, batch, max_len, dtype, numerics)
             slots.append({k: jnp.full(s, _fill(k), dt) for k, (s, dt) in shapes.items()})
         state.append(slots)
     return jax.device_put(state, jax.devices()[0])
@@ -78,10 +86,11 @@ def reset_slots(state: State, mask: jax.Array) -> State:
     return [[{k: reset(k, v) for k, v in slot.items()} for slot in seg] for seg in state]
 
 
-def state_bytes(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any) -> int:
+def state_bytes(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any,
+                numerics: Numerics | None = None) -> int:
     total = 0
     for seg in plan.segments:
         for kind in seg.pattern:
-            for shape, dt in slot_state_shapes(config, kind, seg.reps, batch, max_len, dtype).values():
+            for shape, dt in slot_state_shapes(config, kind, seg.reps, batch, max_len, dtype, numerics).values():
                 total += int(np.prod(shape)) * np.dtype(dt).itemsize
     return total

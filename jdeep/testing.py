@@ -14,7 +14,7 @@ from .layers.block import block
 from .layers.chunk import make_chunk
 from .layers.rope import inv_freq
 from .model import Model, _split_experts
-from .state import init_state, slot_state_shapes
+from .state import slot_state_shapes
 
 __all__ = ["teacher_forced_logits", "replay_layer", "row_cosine"]
 
@@ -30,7 +30,7 @@ def teacher_forced_logits(model: Model, prompt, forced) -> np.ndarray:
     prompt = np.asarray(prompt, np.int32)
     forced = np.asarray(forced, np.int32)
     max_len = length_bucket(len(prompt) + len(forced) + 1, 256)
-    state = init_state(model.config, model.plan, 1, max_len, model.dtype)
+    state = model.init_state(1, max_len)
     logits, state = prefill(model, state, [prompt])
     rows = [np.asarray(logits[0])]
     step = model.step_fn(all_logits=False)
@@ -63,7 +63,7 @@ def replay_layer(model: Model, layer: int, inputs: np.ndarray, ids: np.ndarray, 
     rest, experts = _split_experts(layer_params)
     p = jax.tree_util.tree_map(lambda a: a[0], rest)
     T = len(ids)
-    shapes = slot_state_shapes(cfg, kind, 1, 1, length_bucket(T, 256), model.dtype)
+    shapes = slot_state_shapes(cfg, kind, 1, 1, length_bucket(T, 256), model.dtype, model.numerics)
     dev = jax.devices()[0]   # committed like the params, so every call of a shape reuses one program
     st = jax.device_put({k: jnp.full(sh, -jnp.inf if k.endswith("score") else 0, dt)
                          for k, (sh, dt) in shapes.items()}, dev)

@@ -24,9 +24,9 @@ __all__ = ["attention"]
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _window_keys(st: dict, layer: jax.Array, chunk: Chunk, W: int) -> tuple[jax.Array, jax.Array]:
+def _window_keys(st: dict, layer: jax.Array, chunk: Chunk, W: int, read) -> tuple[jax.Array, jax.Array]:
     """Ring entries written before this chunk and which query may see them: ([B, W, D], bool [B, S, W])."""
-    ring = st["window"][layer][:, :W]
+    ring = read(st["window"][layer][:, :W])
     last = chunk.pos0[:, None] - 1
     ring_pos = last - (last - jnp.arange(W, dtype=jnp.int32)[None, :]) % W      # [B, W]
     t = chunk.positions[..., None]
@@ -43,6 +43,22 @@ def _kv_qat(numerics: Numerics, rope_dim: int):
     return qat
 
 
+def _kv_codec(numerics: Numerics, config: ModelConfig, dtype):
+    """(read, store) between K=V values and the cache rows: identity for a float cache; uint8 records
+    (int32 bytes, narrowed once at the scatter) with packed_kv."""
+    if not numerics.packed_kv:
+        return (lambda rows: rows), (lambda kv: kv)
+    r, b = config.rope_head_dim, numerics.kv_block
+
+    def read(rows):
+        return kernels.get("decode_kv_record")(rows, config.head_dim, r, b, dtype)
+
+    def store(kv):
+        return kernels.get("encode_kv_record")(kv, r, b, numerics.fp8_max)
+
+    return read, store
+
+
 def _head_rms(q: jax.Array, eps: float) -> jax.Array:
     """Weightless per-head RMS norm computed in the activation dtype, as DeepSeek's reference does
     (bf16 square and rsqrt; the mean accumulates in fp32 but is rounded back), not upcast like RMSNorm."""
@@ -57,6 +73,7 @@ def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *
     H, D, W, eps = config.n_heads, config.head_dim, config.window_size, config.norm_eps
     pos = chunk.positions
     qat = _kv_qat(numerics, config.rope_head_dim) if numerics.quantize_activations else None
+    read, store = _kv_codec(numerics, config, x.dtype)
 
     q_latent = rms_norm(dense(x, p["wq_a"], numerics), p["q_norm"], eps)
     q = dense(q_latent, p["wq_b"], numerics).reshape(B, S, H, D)
@@ -67,7 +84,7 @@ def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *
     if qat is not None:
         kv = qat(kv)
 
-    ring, ring_visible = _window_keys(st, layer, chunk, W)
+    ring, ring_visible = _window_keys(st, layer, chunk, W, read)
     t = pos[..., None]
     chunk_visible = (pos[:, None, :] <= t) & (pos[:, None, :] > t - W) & chunk.valid[:, None, :]
     shared_keys = [ring.astype(kv.dtype), kv]
@@ -78,16 +95,17 @@ def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *
     if m > 0:
         ckv, cbuf_kv, cbuf_sc = compress_chunk(
             x, p["compressor"], st["ckv"], st["cbuf_kv"], st["cbuf_score"], layer, chunk,
-            ratio=m, overlap=kind.overlap, freqs=freqs, norm_eps=eps, qat=qat)
+            ratio=m, overlap=kind.overlap, freqs=freqs, norm_eps=eps, qat=qat, store=store)
         st = {**st, "ckv": ckv, "cbuf_kv": cbuf_kv, "cbuf_score": cbuf_sc}
-        entries = ckv[layer]                                                 # [B, Tc+1, D]
+        entries = ckv[layer]                                                 # [B, Tc+1, D | record]
         if kind.has_indexer:
             idx, selected, st = index_select(x, q_latent, p["indexer"], st, layer, chunk,
                                              config=config, numerics=numerics, ratio=m, freqs=freqs)
-            sel_keys = jnp.take_along_axis(entries[:, None], idx[..., None], axis=2)   # [B, S, K, D]
+            sel_keys = read(jnp.take_along_axis(entries[:, None], idx[..., None], axis=2))   # [B, S, K, D]
             sel_mask = selected
         else:
             visible_count = (pos + 1) // m
+            entries = read(entries)
             shared_keys.append(entries)
             shared_mask.append(jnp.arange(entries.shape[1], dtype=jnp.int32)[None, None, :] < visible_count[..., None])
 
@@ -101,7 +119,7 @@ def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *
     keep = chunk.valid & (pos >= end - W)
     slot = jnp.where(keep, pos % W, W)
     st = {**st, "window": st["window"].at[layer, chunk.batch_index, slot].set(
-        jnp.where(keep[..., None], kv, 0).astype(st["window"].dtype))}
+        store(jnp.where(keep[..., None], kv, 0)).astype(st["window"].dtype))}
 
     G = config.o_groups
     wo_a = p["wo_a"].reshape(G, config.o_lora_rank, H * D // G)

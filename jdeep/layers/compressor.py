@@ -29,13 +29,14 @@ def _take(ext: jax.Array, idx: jax.Array) -> jax.Array:
 
 def compress_chunk(x: jax.Array, p: dict, cache: jax.Array, buf_kv: jax.Array, buf_score: jax.Array,
                    layer: jax.Array, chunk: Chunk, *, ratio: int, overlap: bool, freqs: np.ndarray,
-                   norm_eps: float, qat: Callable[[jax.Array], jax.Array] | None = None
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   norm_eps: float, qat: Callable[[jax.Array], jax.Array] | None = None,
+                   store: Callable[[jax.Array], jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Emit the compressed entries completed by this chunk and advance the compressor ring.
 
     x: [B, S, d] attention input (after attn_norm). p: wkv, wgate [c*Dc, d], ape [m, c*Dc], norm [Dc].
     cache: [R, B, Tc+1, Dc]; buf_kv, buf_score: [R, B, Rc+1, c*Dc] fp32 (stacked layer-major; `layer`
-    selects the row). `qat` simulates the entry's storage precision after RoPE (DeepSeek's numerics).
+    selects the row). `qat` simulates the entry's storage precision after RoPE (DeepSeek's numerics);
+    `store` turns entries into cache rows (packed records) before the write.
     Returns the updated (cache, buf_kv, buf_score).
     """
     B, S, _ = x.shape
@@ -65,11 +66,14 @@ def compress_chunk(x: jax.Array, p: dict, cache: jax.Array, buf_kv: jax.Array, b
     else:
         kv, sc = _take(ext_kv, cur), _take(ext_sc, cur)
     pooled = jnp.sum(jax.nn.softmax(sc, axis=2) * kv, axis=2)     # [B, G, Dc] fp32
-    entry = rms_norm(pooled.astype(cache.dtype), p["norm"], norm_eps)
+    entry = rms_norm(pooled.astype(x.dtype), p["norm"], norm_eps)
     entry = apply_rope(entry, g * m, freqs)
     if qat is not None:
         entry = qat(entry)
-    entry = jnp.where(g_valid[..., None], entry, 0).astype(cache.dtype)
+    entry = jnp.where(g_valid[..., None], entry, 0)
+    if store is not None:
+        entry = store(entry)
+    entry = entry.astype(cache.dtype)
     cache = cache.at[layer, chunk.batch_index, jnp.where(g_valid, g, tc)].set(entry)
 
     # Keep the projections of the last Rc real tokens; everything else lands in the scratch slot.
