@@ -370,7 +370,8 @@ def _put(params: dict, key: tuple, value: Any) -> None:
 # ---------------------------------------------------------------------------- writing
 _NP_TO_ST = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
              np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int8): "I8",
-             np.dtype(np.uint8): "U8", np.dtype(np.float64): "F64"}
+             np.dtype(np.uint8): "U8", np.dtype(np.float64): "F64",
+             np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3", np.dtype(ml_dtypes.float8_e8m0fnu): "F8_E8M0"}
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:

@@ -43,7 +43,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import jdeep
 
-    model = jdeep.load(args.model, dtype=args.dtype)
+    model = jdeep.load(args.model, dtype=args.dtype, quantize_activations=args.quantize_activations,
+                       fp8_max=args.fp8_max, packed_kv=args.packed_kv)
     if args.prompt_ids is None:
         raise SystemExit("jdeep generate: give --prompt-ids (text prompts need the tokenizer, not supported yet)")
     try:
@@ -96,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", **dtype)
+    g.add_argument("--quantize-activations", action=argparse.BooleanOptionalAction, default=None,
+                   help="DeepSeek's numerics for quantized checkpoints (default: on for fp8/fp4 checkpoints)")
+    g.add_argument("--fp8-max", type=float, default=448.0, help="448 (e4m3fn) or 240/224 for Trainium2's e4m3")
+    g.add_argument("--packed-kv", action="store_true", help="keep the KV cache as uint8 fp8 records")
     g.set_defaults(fn=cmd_generate)
 
     i = sub.add_parser("info", help="config summary, parameter bytes by dtype, state bytes per token")

@@ -150,11 +150,16 @@ class _Hashable:
         return isinstance(other, _Hashable) and self.key == other.key
 
 
-def forward(model: Model, token_ids: Sequence[int]) -> np.ndarray:
-    """Logits at every position of one sequence, without a persistent cache: float32 [T, V]."""
+def forward(model: Model, token_ids: Sequence[int], pad_to: int | None = None) -> np.ndarray:
+    """Logits at every position of one sequence, without a persistent cache: float32 [T, V].
+
+    The sequence runs as one chunk padded to a length bucket (or to `pad_to`, so that calls with
+    different lengths share one compiled program)."""
     (ids,) = validate_prompts(model, [token_ids])
     T = len(ids)
-    S = length_bucket(T)
+    S = length_bucket(T) if pad_to is None else int(pad_to)
+    if S < T:
+        raise ValueError(f"pad_to={pad_to} is shorter than the sequence ({T} tokens)")
     state = model.init_state(1, S)
     toks = np.zeros((1, S), np.int32)
     pos = np.full((1, S), -1, np.int32)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .kernels.codecs import E4M3FN_MAX, E4M3_TRN2_MAX
 from .param_spec import FP4_BLOCK, weight_formats
 
@@ -42,6 +42,25 @@ class Numerics:
         if packed_kv and not quantize_activations:
             raise ValueError("packed_kv=True stores the KV as fp8 records and needs DeepSeek's KV QAT "
                              "(quantize_activations=True); with float KV it would change the results")
-        return cls(quantize_activations=bool(quantize_activations), weight_block=block, act_block=block[1],
-                   fp8_max=float(fp8_max), trn2_weights=quantized and fp8_max < E4M3FN_MAX,
-                   packed_kv=bool(packed_kv))
+        nx = cls(quantize_activations=bool(quantize_activations), weight_block=block, act_block=block[1],
+                 fp8_max=float(fp8_max), trn2_weights=quantized and fp8_max < E4M3FN_MAX,
+                 packed_kv=bool(packed_kv))
+        nx._check(config, quantized)
+        return nx
+
+    def _check(self, c: ModelConfig, quantized: bool) -> None:
+        """The block sizes must tile the tensors they quantize (DeepSeek's kernels assert the same)."""
+        if not self.quantize_activations:
+            return
+        need = {"head_dim - qk_rope_head_dim (KV QAT)": (c.head_dim - c.rope_head_dim, self.kv_block),
+                "index_head_dim (indexer fp4 QAT)": (c.index_head_dim, self.fp4_block)}
+        if quantized:
+            need.update({"hidden_size": (c.dim, self.act_block), "q_lora_rank": (c.q_lora_rank, self.act_block),
+                         "moe_intermediate_size": (c.moe_inter_dim, self.act_block),
+                         "o_groups * o_lora_rank": (c.o_groups * c.o_lora_rank, self.act_block)})
+        for what, (n, b) in need.items():
+            if n % b:
+                raise ConfigError(f"{what} = {n} is not a multiple of the quantisation block {b}: "
+                                  "DeepSeek's numerics (quantize_activations=True) cannot run on this config")
+        if c.index_head_dim & (c.index_head_dim - 1):
+            raise ConfigError(f"index_head_dim = {c.index_head_dim} must be a power of two for the indexer's Hadamard rotation")

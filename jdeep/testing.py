@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .generate import length_bucket, prefill
+from .generate import length_bucket
 from .layers.block import block
 from .layers.chunk import make_chunk
 from .layers.rope import inv_freq
@@ -24,15 +24,24 @@ def row_cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
-def teacher_forced_logits(model: Model, prompt, forced) -> np.ndarray:
-    """Cached path: prefill `prompt`, then decode one step per forced token (the reference's tokens).
-    Returns fp32 [1 + len(forced), V]: row 0 at the last prompt token, row k after forced[k-1]."""
+def teacher_forced_logits(model: Model, prompt, forced, chunk: int = 64, max_len: int = 512) -> np.ndarray:
+    """Cached path: chunked prefill of `prompt` (logits at every prompt position), then one decode step
+    per forced token (the reference's tokens). Returns fp32 [len(prompt) + len(forced), V]: row t is the
+    prediction after token t of prompt + forced. Fixed chunk and max_len keep the compiled set small."""
     prompt = np.asarray(prompt, np.int32)
     forced = np.asarray(forced, np.int32)
-    max_len = length_bucket(len(prompt) + len(forced) + 1, 256)
+    max_len = max(max_len, length_bucket(len(prompt) + len(forced) + 1, 256))
     state = model.init_state(1, max_len)
-    logits, state = prefill(model, state, [prompt])
-    rows = [np.asarray(logits[0])]
+    rows = []
+    prefill_step = model.step_fn(all_logits=True)
+    for start in range(0, len(prompt), chunk):
+        part = prompt[start:start + chunk]
+        S = length_bucket(len(part))
+        toks = np.zeros((1, S), np.int32)
+        pos = np.full((1, S), -1, np.int32)
+        toks[0, :len(part)], pos[0, :len(part)] = part, np.arange(start, start + len(part))
+        logits, state = prefill_step(model.params, state, jnp.asarray(toks), jnp.asarray(pos))
+        rows.extend(np.asarray(logits[0, :len(part)]))
     step = model.step_fn(all_logits=False)
     for k, tok in enumerate(forced):
         pos = np.array([[len(prompt) + k]], np.int32)

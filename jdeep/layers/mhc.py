@@ -31,9 +31,13 @@ def hc_split_sinkhorn(mu: jax.Array, scale: jax.Array, base: jax.Array, *, n: in
     c = (scale[2] * mu[..., 2 * n:] + base[2 * n:]).reshape(mu.shape[:-1] + (n, n))
     c = jax.nn.softmax(c, axis=-1) + hc_eps
     c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
+
+    def row_col(_, c):
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
-        c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+
+    # a loop with a static trip count keeps the program small (compile time); same arithmetic
+    c = jax.lax.fori_loop(0, sinkhorn_iters - 1, row_col, c)
     return pre, post, c
 
 
