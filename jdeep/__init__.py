@@ -32,6 +32,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     instead of float rows; needs quantize_activations (the KV QAT makes the records exact).
     """
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from . import checkpoint
@@ -54,5 +55,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
             def rescale(codes, scale, block):
                 return trn2_rescale(codes, scale, block, numerics.fp8_max)
         params = checkpoint.load_params(path, config, plan, np.dtype(jdtype),
-                                        place=lambda a: jax.device_put(a, device), fp8_rescale=rescale)
+                                        place=lambda a: jax.device_put(a, device),
+                                        place_into=lambda shape, dt: jax.device_put(jnp.zeros(shape, dt), device),
+                                        fp8_rescale=rescale)
     return Model(config, plan, params, jdtype, numerics)

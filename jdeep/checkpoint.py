@@ -49,7 +49,9 @@ class _Entry:
 
 
 class SafetensorsFile:
-    """One .safetensors file, memory-mapped; `get(name)` returns a read-only numpy view."""
+    """One .safetensors file. `get(name)` reads one tensor with a positioned read into a fresh numpy
+    array (no memory map: mapped pages would stay in the process's resident set while loading);
+    `view(name)` returns a read-only memory-mapped view, for callers that touch only a few rows."""
 
     def __init__(self, path: str):
         self.path = path
@@ -81,7 +83,7 @@ class SafetensorsFile:
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         return self._mmap
 
-    def get(self, name: str) -> np.ndarray:
+    def _checked(self, name: str) -> tuple[_Entry, np.dtype, int]:
         e = self.entries[name]
         if e.dtype not in _ST_DTYPES:
             raise CheckpointError(f"tensor {name!r} in {self.path} has unsupported dtype {e.dtype}")
@@ -89,6 +91,23 @@ class SafetensorsFile:
         count = int(np.prod(e.shape, dtype=np.int64))
         if count * dt.itemsize != e.end - e.start:
             raise CheckpointError(f"tensor {name!r} in {self.path}: {e.end - e.start} bytes for shape {e.shape} {e.dtype}")
+        return e, dt, count
+
+    def get(self, name: str) -> np.ndarray:
+        e, dt, count = self._checked(name)
+        out = np.empty(count, dt)
+        raw = memoryview(out.view(np.uint8))
+        with open(self.path, "rb", buffering=0) as f:
+            done, offset = 0, self._data_start + e.start
+            while done < len(raw):
+                n = os.preadv(f.fileno(), [raw[done:done + (1 << 30)]], offset + done)
+                if n <= 0:
+                    raise CheckpointError(f"tensor {name!r}: unexpected end of {self.path}")
+                done += n
+        return out.reshape(e.shape)
+
+    def view(self, name: str) -> np.ndarray:
+        e, dt, count = self._checked(name)
         arr = np.frombuffer(self._buffer(), dtype=dt, count=count, offset=self._data_start + e.start)
         return arr.reshape(e.shape)
 
@@ -288,6 +307,7 @@ def validate_checkpoint(reader: "CheckpointReader", config: ModelConfig, plan: L
 def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
                 progress: Callable[[int, int], None] | None = None,
                 place: Callable[[np.ndarray], Any] | None = None,
+                place_into: Callable[[tuple, np.dtype], Any] | None = None,
                 fp8_rescale: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None) -> dict:
     """Read and validate every tensor into jdeep's param tree.
 
@@ -295,7 +315,9 @@ def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
     CheckpointError listing every missing, unexpected, mis-shaped or wrongly typed tensor. `mtp.*`
     tensors (the multi-token-prediction block, not run by jdeep) are accepted and skipped.
     Leaves are built one at a time and handed to `place` (e.g. a device put) before the next one is
-    read, so host memory holds at most one stacked leaf beyond what `place` keeps.
+    read, so host memory holds at most one stacked leaf beyond what `place` keeps; with
+    `place_into(shape, dtype)` (an empty device buffer) large stacked leaves are assembled one layer
+    at a time directly in device memory instead.
     `fp8_rescale(codes, scale) -> (codes, scale)` optionally rewrites fp8 weights (trn2 range).
     """
     reader = CheckpointReader(folder)
@@ -319,8 +341,27 @@ def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
     params: dict[str, Any] = {"segments": [[{} for _ in seg.pattern] for seg in plan.segments]}
     done = 0
     for key, (shape, cls) in leaves.items():
-        buf = np.empty(shape, _leaf_dtype(cls, dtype))
         items = fills[key]
+        leaf_dtype = _leaf_dtype(cls, dtype)
+        big = int(np.prod(shape)) * leaf_dtype.itemsize > _ASSEMBLE_ON_DEVICE_BYTES
+        if place_into is not None and big and key[0] == "seg" and fp8_rescale is None \
+                and items[0][2].fmt != FP8_DEQUANT:
+            # Large stacked leaves are assembled layer by layer in a device buffer updated in place, so
+            # the host never holds more than one layer's slice of them.
+            dev = place_into(shape, leaf_dtype)
+            for rep in range(shape[0]):
+                part = np.empty(shape[1:], leaf_dtype)
+                for name, role, spec, idx in items:
+                    if idx[0] == rep:
+                        _fill(part, idx[1:], reader, name, role, config)
+                dev = _set_row(dev, part, rep)
+                del part
+            _put(params, key, dev)
+            done += len(items)
+            if progress is not None:
+                progress(done, sum(len(v) for v in fills.values()))
+            continue
+        buf = np.empty(shape, leaf_dtype)
         if items[0][2].fmt == FP8_DEQUANT:       # wo_a: codes + scale -> bf16 values
             by_idx: dict[tuple, dict] = {}
             for name, role, spec, idx in items:
@@ -332,17 +373,7 @@ def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
                 buf[idx] = w.astype(ml_dtypes.bfloat16).astype(buf.dtype)
         else:
             for name, role, spec, idx in items:
-                arr = reader.get(name)
-                if role == "index":
-                    if arr.size and (arr.min() < 0 or arr.max() >= config.n_routed_experts):
-                        raise CheckpointError(f"tensor {name!r} holds expert ids outside [0, {config.n_routed_experts})")
-                    buf[idx] = arr
-                elif role == "scale":
-                    buf[idx] = _scale_bytes(arr, reader.entry(name).dtype, name)
-                elif role in ("fp8", "fp4"):
-                    buf[idx] = arr.view(np.uint8)
-                else:
-                    buf[idx] = arr
+                _fill(buf, idx, reader, name, role, config)
         if fp8_rescale is not None and key[-1] == "codes":
             scale_key = key[:-1] + ("scale",)
             sbuf = np.empty(leaves[scale_key][0], np.uint8)
@@ -358,6 +389,37 @@ def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
         if progress is not None:
             progress(done, sum(len(v) for v in fills.values()))
     return params
+
+
+_ASSEMBLE_ON_DEVICE_BYTES = 64 << 20
+
+
+def _fill(buf: np.ndarray, idx: tuple, reader: "CheckpointReader", name: str, role: str, config: ModelConfig) -> None:
+    """Copy one checkpoint tensor into its place in a leaf buffer, converting as its role says."""
+    arr = reader.get(name)
+    if role == "index":
+        if arr.size and (arr.min() < 0 or arr.max() >= config.n_routed_experts):
+            raise CheckpointError(f"tensor {name!r} holds expert ids outside [0, {config.n_routed_experts})")
+        buf[idx] = arr
+    elif role == "scale":
+        buf[idx] = _scale_bytes(arr, reader.entry(name).dtype, name)
+    elif role in ("fp8", "fp4"):
+        buf[idx] = arr.view(np.uint8)
+    else:
+        buf[idx] = arr
+
+
+def _set_row(dev: Any, part: np.ndarray, rep: int) -> Any:
+    """dev[rep] = part on the device, in place (the old buffer is donated)."""
+    import jax
+
+    global _SET_ROW
+    if _SET_ROW is None:
+        _SET_ROW = jax.jit(lambda a, p, i: jax.lax.dynamic_update_index_in_dim(a, p, i, 0), donate_argnums=0)
+    return _SET_ROW(dev, part, np.int32(rep))
+
+
+_SET_ROW = None
 
 
 def _put(params: dict, key: tuple, value: Any) -> None:

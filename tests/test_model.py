@@ -20,7 +20,9 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+# the second config is slow-marked: the compressor unit tests (tests/layers/test_compressor.py) cover
+# overlapping and plain pooling at several ratios, and the first config runs ratios 1, 3, 4 and 7 end to end
+@pytest.fixture(scope="module", params=["ratios_1_3_4_7", pytest.param("csa2_hca1", marks=pytest.mark.slow)])
 def model(request, tmp_path_factory):
     raw = {k: v for k, v in TINY_CONFIG.items() if k not in ("layer_types", "compress_rates")}
     raw.update(CONFIGS[request.param])
