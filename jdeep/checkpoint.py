@@ -346,15 +346,13 @@ def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
         big = int(np.prod(shape)) * leaf_dtype.itemsize > _ASSEMBLE_ON_DEVICE_BYTES
         if place_into is not None and big and key[0] == "seg" and fp8_rescale is None \
                 and items[0][2].fmt != FP8_DEQUANT:
-            # Large stacked leaves are assembled layer by layer in a device buffer updated in place, so
-            # the host never holds more than one layer's slice of them.
+            # Large stacked leaves are assembled tensor by tensor in a device buffer updated in place, so
+            # the host never holds more than one checkpoint tensor of them.
             dev = place_into(shape, leaf_dtype)
-            for rep in range(shape[0]):
-                part = np.empty(shape[1:], leaf_dtype)
-                for name, role, spec, idx in items:
-                    if idx[0] == rep:
-                        _fill(part, idx[1:], reader, name, role, config)
-                dev = _set_row(dev, part, rep)
+            for name, role, spec, idx in items:
+                part = np.empty(shape[len(idx):], leaf_dtype)
+                _fill(part, (), reader, name, role, config)
+                dev = _set_at(dev, part, idx)
                 del part
             _put(params, key, dev)
             done += len(items)
@@ -409,17 +407,20 @@ def _fill(buf: np.ndarray, idx: tuple, reader: "CheckpointReader", name: str, ro
         buf[idx] = arr
 
 
-def _set_row(dev: Any, part: np.ndarray, rep: int) -> Any:
-    """dev[rep] = part on the device, in place (the old buffer is donated)."""
+def _set_at(dev: Any, part: np.ndarray, idx: tuple) -> Any:
+    """dev[idx] = part on the device, in place (the old buffer is donated)."""
     import jax
 
-    global _SET_ROW
-    if _SET_ROW is None:
-        _SET_ROW = jax.jit(lambda a, p, i: jax.lax.dynamic_update_index_in_dim(a, p, i, 0), donate_argnums=0)
-    return _SET_ROW(dev, part, np.int32(rep))
+    if len(idx) not in _SET_AT:
+        def update(a, p, *i):
+            start = tuple(i) + (0,) * (a.ndim - len(i))
+            return jax.lax.dynamic_update_slice(a, p.reshape((1,) * len(i) + p.shape), start)
+
+        _SET_AT[len(idx)] = jax.jit(update, donate_argnums=0)
+    return _SET_AT[len(idx)](dev, part, *(np.int32(i) for i in idx))
 
 
-_SET_ROW = None
+_SET_AT: dict = {}
 
 
 def _put(params: dict, key: tuple, value: Any) -> None:
