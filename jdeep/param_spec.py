@@ -69,7 +69,8 @@ class TensorSpec:
 def tree_leaves(spec: TensorSpec) -> list[tuple[tuple[str, ...], tuple[int, ...], str]]:
     """(tree path, per-layer leaf shape, dtype class) of the leaves `spec` fills.
 
-    dtype class: "model" (model dtype), "f32", "i32" or "u8"; expert tensors get the expert axis."""
+    dtype class: "model" (model dtype), "f32", "i32" or "u8". Shapes are one layer's, without the expert
+    axis: callers stack routed experts (spec.expert) on a leading [E] axis and layers on [reps]."""
     if spec.kind == F32:
         return [(spec.path, spec.shape, "f32")]
     if spec.kind == INDEX:
@@ -171,10 +172,3 @@ def layer_specs(c: ModelConfig, kind: LayerKind) -> list[TensorSpec]:
         q8("ffn.shared_experts.w3.weight", (I, d)),
     ]
     return specs
-
-
-def leaf_shape(spec: TensorSpec, c: ModelConfig) -> tuple[int, ...]:
-    """Shape of the (float) tree leaf (per layer) that `spec` fills."""
-    if spec.expert is not None:
-        return (c.n_routed_experts,) + spec.shape
-    return spec.shape
