@@ -47,6 +47,9 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     numerics = Numerics.for_config(config, quantize_activations, fp8_max, packed_kv)
     device = jax.devices()[0]   # one placement for both sources, so both hit the same compiled programs
     if checkpoint.is_converted(path):
+        if config.engram is not None:
+            raise ValueError(f"{path}: converted (Orbax) folders of models with Engram layers are not supported yet; "
+                             "load the original checkpoint folder")
         params = jax.device_put(checkpoint.restore_converted(path, config, plan, jdtype), device)
     else:
         rescale = None
@@ -57,4 +60,9 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
                                         place=lambda a: jax.device_put(a, device),
                                         place_into=lambda shape, dt: jax.device_put(jnp.zeros(shape, dt), device),
                                         fp8_rescale=rescale)
-    return Model(config, plan, params, jdtype, numerics)
+    engram = None
+    if config.engram is not None:
+        from .engram import EngramHost
+
+        engram = EngramHost.load(path, config.engram)
+    return Model(config, plan, params, jdtype, numerics, engram)

@@ -18,7 +18,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["ConfigError", "YarnConfig", "RopeConfig", "ModelConfig", "PRESETS", "preset"]
+__all__ = ["ConfigError", "YarnConfig", "RopeConfig", "SharingConfig", "EngramConfig", "DSparkConfig", "ModelConfig",
+           "PRESETS", "preset"]
 
 
 class ConfigError(ValueError):
@@ -58,6 +59,55 @@ class AttentionKind:
         if self.ratio == 0:
             return "sliding"
         return f"{'csa' if self.overlap else 'hca'}{self.ratio}"
+
+
+@dataclass(frozen=True)
+class SharingConfig:
+    """V4.1 cross-layer sharing (model-spec.md §5.4-§5.5). Layer ids are backbone layers.
+
+    kv_sources own a compressor, the compressed KV and the index keys; every compressed layer reads the
+    caches of the latest KV source at or before it. index_sources run an indexer (over their KV source's
+    index keys) and publish its top-k; the other compressed layers reuse the latest published top-k.
+    The candidate source also builds a block candidate mask that later index sources of the same KV
+    source apply before their top-k.
+    """
+
+    kv_sources: tuple[int, ...]
+    index_sources: tuple[int, ...]
+    candidate_source: int | None = None
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+
+
+@dataclass(frozen=True)
+class EngramConfig:
+    """V4.1 Engram conditional memory (model-spec.md §5.7)."""
+
+    layer_ids: tuple[int, ...]
+    num_embeddings: tuple[int, ...]   # table rows per Engram layer
+    max_ngram_size: int               # n-grams of order 2..max_ngram_size
+    n_heads: int
+    head_dim: int
+    vocab_size: int                   # hash primes are the primes >= this
+    pad_id: int                       # token id whose class pads the history
+    compressed_vocab_size: int        # classes of the compressed token map
+
+    @property
+    def rows_per_token(self) -> int:
+        return (self.max_ngram_size - 1) * self.n_heads
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    """V4.1 / V4-Flash-0731 DSpark drafter fields (model-spec.md §5.8); its tensors are loaded, not run."""
+
+    n_layers: int
+    block_size: int
+    noise_token_id: int | None = None
+    markov_rank: int | None = None
+    n_routed_experts: int = 0
+    n_activated_experts: int = 0
+    target_layer_ids: tuple[int, ...] = ()
 
 
 _LAYER_TYPE_NAMES = {
@@ -119,9 +169,18 @@ class ModelConfig:
     eos_token_id: int | None = 1
     model_type: str = "deepseek_v4"
     quantization: Mapping[str, Any] | None = field(default=None, compare=False)
+    # DeepSeek-V4.1 only (model_type "deepseek_v41")
+    sharing: SharingConfig | None = None
+    engram: EngramConfig | None = None
+    dspark: DSparkConfig | None = None
+    gate_temp: float = 1.0
+    image_token_id: int | None = None
+    vision: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self._validate()
+        if self.is_v41:
+            self._validate_v41()
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
@@ -178,7 +237,73 @@ class ModelConfig:
             if v is not None and not (isinstance(v, int) and 0 <= v < self.vocab_size):
                 raise ConfigError(f"{name}={v!r} is not a token id in [0, vocab_size={self.vocab_size})")
 
+    def _validate_v41(self) -> None:
+        if self.sharing is None:
+            raise ConfigError("a deepseek_v41 config needs kv_source_layer_ids and index_source_layer_ids")
+        if self.n_hash_layers:
+            raise ConfigError("DeepSeek-V4.1 has no hash-routed MoE layers (num_hash_layers must be 0)")
+        if any(k.overlap for k in self.attention_kinds):
+            raise ConfigError("DeepSeek-V4.1 compressors do not overlap (no compressed_sparse_attention layers)")
+        if not (isinstance(self.gate_temp, (int, float)) and math.isfinite(self.gate_temp) and self.gate_temp > 0):
+            raise ConfigError(f"gate_temp must be a positive finite number, got {self.gate_temp!r}")
+        sh, n = self.sharing, self.n_layers
+        for name, ids in (("kv_source_layer_ids", sh.kv_sources), ("index_source_layer_ids", sh.index_sources)):
+            if list(ids) != sorted(set(ids)) or any(not isinstance(i, int) or not 0 <= i < n for i in ids):
+                raise ConfigError(f"{name} must be increasing layer ids in [0, {n}), got {list(ids)}")
+            for i in ids:
+                if self.attention_kinds[i].ratio == 0:
+                    raise ConfigError(f"{name} lists layer {i}, a sliding-only layer (compress ratio 0)")
+        for i, k in enumerate(self.attention_kinds):
+            if k.ratio == 0:
+                continue
+            src = self.kv_source_of(i)
+            if src is None or self.attention_kinds[src].ratio != k.ratio:
+                raise ConfigError(f"layer {i} (compress ratio {k.ratio}) has no KV source of the same ratio at or "
+                                  f"before it in kv_source_layer_ids {list(sh.kv_sources)}")
+            idx = self.index_source_of(i)
+            if idx is None or self.kv_source_of(idx) != src:
+                raise ConfigError(f"layer {i} has no index source reading its KV source {src} at or before it in "
+                                  f"index_source_layer_ids {list(sh.index_sources)}")
+        if sh.candidate_source is not None:
+            if sh.candidate_source not in sh.index_sources:
+                raise ConfigError(f"candidate_source_layer_id {sh.candidate_source} is not an index source")
+            for name in ("candidate_topk_blocks", "candidate_block_size"):
+                v = getattr(sh, name)
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                    raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        e = self.engram
+        if e is not None:
+            if list(e.layer_ids) != sorted(set(e.layer_ids)) or any(not 0 <= i < n for i in e.layer_ids):
+                raise ConfigError(f"engram_layer_ids must be increasing layer ids in [0, {n}), got {list(e.layer_ids)}")
+            if len(e.num_embeddings) != len(e.layer_ids):
+                raise ConfigError(f"engram_num_embeddings has {len(e.num_embeddings)} entries for "
+                                  f"{len(e.layer_ids)} engram_layer_ids")
+            for name in ("max_ngram_size", "n_heads", "head_dim", "vocab_size", "compressed_vocab_size"):
+                v = getattr(e, name)
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                    raise ConfigError(f"engram_{name} must be a positive integer, got {v!r}")
+            if e.max_ngram_size < 2:
+                raise ConfigError(f"engram_max_ngram_size must be >= 2, got {e.max_ngram_size}")
+            if e.head_dim % 32:
+                raise ConfigError(f"engram_head_dim must be a multiple of 32 (the table's scale groups), got {e.head_dim}")
+            if not 0 <= e.pad_id < self.vocab_size:
+                raise ConfigError(f"engram_pad_token_id={e.pad_id} is not a token id in [0, {self.vocab_size})")
+
     # ------------------------------------------------------------------ derived
+    @property
+    def is_v41(self) -> bool:
+        return self.model_type == "deepseek_v41"
+
+    def kv_source_of(self, layer: int) -> int | None:
+        """V4.1: the KV source whose compressed caches `layer` reads (latest source at or before it)."""
+        srcs = [s for s in self.sharing.kv_sources if s <= layer] if self.sharing else []
+        return srcs[-1] if srcs else None
+
+    def index_source_of(self, layer: int) -> int | None:
+        """V4.1: the index source whose top-k `layer` uses (itself, or the latest one before it)."""
+        srcs = [s for s in self.sharing.index_sources if s <= layer] if self.sharing else []
+        return srcs[-1] if srcs else None
+
     @property
     def n_hash_layers(self) -> int:
         return sum(self.hash_moe)
@@ -452,15 +577,117 @@ def _ropes(raw: dict[str, Any], head_dim: int) -> tuple[RopeConfig, RopeConfig, 
     return RopeConfig(theta), RopeConfig(ctheta, yarn), rope_dim
 
 
+_V41_MODELARGS_TO_HF = {
+    "kv_source_layers": "kv_source_layer_ids", "index_source_layers": "index_source_layer_ids",
+    "candidate_source_layer": "candidate_source_layer_id", "engram_pad_id": "engram_pad_token_id",
+    "dspark_n_activated_experts": "dspark_num_experts_per_tok",
+}
+_V41_VISION_ARGS = ("vision_n_layers", "vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
+                    "vision_rope_theta", "vision_downsample_ratio", "vision_max_n_token", "vision_min_pixels",
+                    "vision_max_wh_ratio")
+_V41_KEYS = {
+    "kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id", "candidate_topk_blocks",
+    "candidate_block_size", "engram_layer_ids", "engram_num_embeddings", "engram_max_ngram_size",
+    "engram_n_heads", "engram_head_dim", "engram_vocab_size", "engram_pad_token_id",
+    "engram_compressed_vocab_size", "dspark_block_size", "dspark_noise_token_id", "dspark_markov_rank",
+    "dspark_n_routed_experts", "dspark_num_experts_per_tok", "dspark_target_layer_ids", "gate_temp",
+    "image_token_id", "vision_config", "text_config",
+}
+
+
+def _v41_flatten(raw: dict[str, Any]) -> dict[str, Any]:
+    """V4.1 HF config (top level + `text_config`) or ModelArgs spelling -> one flat HF-style dict."""
+    if isinstance(raw.get("text_config"), Mapping):
+        flat = {k: v for k, v in raw.items() if k not in ("text_config",)}
+        flat.update(raw["text_config"])
+        for k in ("quantization_config", "bos_token_id", "eos_token_id", "pad_token_id", "image_token_id"):
+            if raw.get(k) is not None:
+                flat[k] = raw[k]
+    elif raw.get("text_config") is not None:
+        raise ConfigError(f"text_config must be an object, got {raw['text_config']!r}")
+    elif "dim" in raw and "n_layers" in raw:          # inference/config.json (ModelArgs)
+        flat = _from_model_args({_V41_MODELARGS_TO_HF.get(k, k): v for k, v in raw.items()
+                                 if k not in _V41_VISION_ARGS})
+        if raw.get("n_routed_experts_score") is not None:
+            flat.pop("n_routed_experts_score")
+        if raw.get("vision_n_layers"):
+            flat["vision_config"] = {k[len("vision_"):]: raw[k] for k in _V41_VISION_ARGS if k in raw}
+        if raw.get("dtype") == "fp8" and "quantization_config" not in raw:
+            flat["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [32, 32],
+                                           "scale_fmt": raw.get("scale_fmt", "ue8m0"),
+                                           "expert_dtype": raw.get("expert_dtype", "fp8")}
+    else:
+        flat = dict(raw)
+    flat["model_type"] = "deepseek_v41"
+    return flat
+
+
+def _int_list(raw: dict[str, Any], key: str, default: Any = None) -> tuple[int, ...]:
+    v = raw.get(key, default)
+    if v is None:
+        raise ConfigError(f"config.json is missing required field {key!r}")
+    if not isinstance(v, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        raise ConfigError(f"{key} must be a list of integers, got {v!r}")
+    return tuple(v)
+
+
+def _v41_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    cand = raw.get("candidate_source_layer_id")
+    if cand is not None and (isinstance(cand, bool) or not isinstance(cand, int)):
+        raise ConfigError(f"candidate_source_layer_id must be an integer, got {cand!r}")
+    sharing = SharingConfig(
+        kv_sources=_int_list(raw, "kv_source_layer_ids"),
+        index_sources=_int_list(raw, "index_source_layer_ids"),
+        candidate_source=cand,
+        candidate_topk_blocks=_opt(raw, "candidate_topk_blocks", 2048),
+        candidate_block_size=_opt(raw, "candidate_block_size", 8),
+    )
+    engram = None
+    if raw.get("engram_layer_ids"):
+        engram = EngramConfig(
+            layer_ids=_int_list(raw, "engram_layer_ids"),
+            num_embeddings=_int_list(raw, "engram_num_embeddings"),
+            max_ngram_size=_opt(raw, "engram_max_ngram_size", 4),
+            n_heads=_req(raw, "engram_n_heads"),
+            head_dim=_req(raw, "engram_head_dim"),
+            vocab_size=_req(raw, "engram_vocab_size"),
+            pad_id=_opt(raw, "engram_pad_token_id", 2),
+            compressed_vocab_size=_req(raw, "engram_compressed_vocab_size"),
+        )
+    dspark = None
+    n_mtp = _opt(raw, "num_nextn_predict_layers", 0)
+    if _opt(raw, "dspark_block_size", 0) > 0 and n_mtp > 0:
+        dspark = DSparkConfig(
+            n_layers=n_mtp,
+            block_size=_req(raw, "dspark_block_size"),
+            noise_token_id=raw.get("dspark_noise_token_id"),
+            markov_rank=raw.get("dspark_markov_rank"),
+            n_routed_experts=_opt(raw, "dspark_n_routed_experts", 0),
+            n_activated_experts=_opt(raw, "dspark_num_experts_per_tok", 0),
+            target_layer_ids=_int_list(raw, "dspark_target_layer_ids", ()),
+        )
+    vision = raw.get("vision_config")
+    if vision is not None and not isinstance(vision, Mapping):
+        raise ConfigError(f"vision_config must be an object, got {vision!r}")
+    if vision is not None and not vision.get("num_hidden_layers", vision.get("n_layers", 1)):
+        vision = None
+    return dict(sharing=sharing, engram=engram, dspark=dspark, gate_temp=_opt(raw, "gate_temp", 1.0, float),
+                image_token_id=raw.get("image_token_id"), vision=dict(vision) if vision else None)
+
+
 def _parse(raw: dict[str, Any]) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type is None and "dim" in raw and "n_layers" in raw:
-        raw = _from_model_args(raw)
-        model_type = "deepseek_v4"
-    if model_type in ("deepseek_v41", "deepseek_v41_text"):
-        raise ConfigError("model_type 'deepseek_v41' (DeepSeek-V4.1) is not supported by this version of jdeep yet")
-    if model_type != "deepseek_v4":
-        raise ConfigError(f"model_type {model_type!r} is not a DeepSeek-V4 model (expected 'deepseek_v4')")
+        if any(k in raw for k in ("kv_source_layers", "index_source_layers", "engram_layer_ids")):
+            model_type = "deepseek_v41"
+        else:
+            raw = _from_model_args(raw)
+            model_type = "deepseek_v4"
+    v41 = model_type in ("deepseek_v41", "deepseek_v41_text")
+    if v41:
+        raw = _v41_flatten(raw)
+    elif model_type != "deepseek_v4":
+        raise ConfigError(f"model_type {model_type!r} is not a DeepSeek-V4 model (expected 'deepseek_v4' or 'deepseek_v41')")
 
     n_layers = _req(raw, "num_hidden_layers")
     if n_layers <= 0:
@@ -485,10 +712,17 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         "rope_theta", "compress_rope_theta", "rope_scaling", "rope_parameters", "num_nextn_predict_layers",
         "max_position_embeddings", "bos_token_id", "eos_token_id",
     }
+    if v41:
+        known |= _V41_KEYS | {"temperature"}
     unknown = sorted(k for k in raw if k not in known)
     if unknown:
         warnings.warn(f"config.json: ignoring unknown fields {unknown}", stacklevel=3)
 
+    kinds = _attention_kinds(raw, n_layers)
+    extra: dict[str, Any] = {}
+    if v41:   # V4.1 compressors never overlap; indexers are placed by index_source_layer_ids
+        kinds = tuple(AttentionKind(k.ratio) for k in kinds)
+        extra = _v41_fields(raw)
     eos = raw.get("eos_token_id", 1)
     if isinstance(eos, list):
         eos = eos[0] if eos else None
@@ -503,7 +737,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         o_groups=_req(raw, "o_groups"),
         o_lora_rank=_req(raw, "o_lora_rank"),
         window_size=_req(raw, "sliding_window"),
-        attention_kinds=_attention_kinds(raw, n_layers),
+        attention_kinds=kinds,
         hash_moe=_hash_layers(raw, n_layers),
         index_n_heads=_req(raw, "index_n_heads"),
         index_head_dim=_req(raw, "index_head_dim"),
@@ -525,8 +759,9 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=_opt(raw, "max_position_embeddings", 1 << 20),
         bos_token_id=raw.get("bos_token_id", 0),
         eos_token_id=eos,
-        model_type="deepseek_v4",
+        model_type="deepseek_v41" if v41 else "deepseek_v4",
         quantization=quant,
+        **extra,
     )
 
 

@@ -48,8 +48,10 @@ def validate_prompts(model: Model, prompts: Sequence[Sequence[int]]) -> list[np.
     return out
 
 
-def prefill(model: Model, state: list, prompts: list[np.ndarray], chunk_size: int = 512) -> tuple[jax.Array, list]:
+def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: int = 512,
+            history=None) -> tuple[jax.Array, dict]:
     """Run every prompt (row b of the batch; extra rows stay empty) through the model in chunks.
+    `history`: the batch's Engram histories (models with Engram; advanced in place).
 
     Returns (logits fp32 [B, V] at each prompt's last token, state)."""
     B = jax.tree_util.tree_leaves(state)[0].shape[1]
@@ -65,7 +67,8 @@ def prefill(model: Model, state: list, prompts: list[np.ndarray], chunk_size: in
             if n[b] > 0:
                 toks[b, :n[b]] = p[start:start + n[b]]
                 pos[b, :n[b]] = np.arange(start, start + n[b])
-        logits, state = step(model.params, state, jnp.asarray(toks), jnp.asarray(pos))
+        eng = model.engram_inputs(history, toks, pos)
+        logits, state = step(model.params, state, jnp.asarray(toks), jnp.asarray(pos), eng)
         ends_here = jnp.asarray((lens > start) & (lens <= start + chunk_size))
         last = logits if last is None else jnp.where(ends_here[:, None], logits, last)
     return last, state
@@ -123,8 +126,14 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     Bb = 1 << (B - 1).bit_length()
     max_len = length_bucket(longest, 256)
     state = model.init_state(Bb, max_len)
-    first, state = prefill(model, state, prompts, prefill_chunk)
+    history = model.new_history(Bb)
+    first, state = prefill(model, state, prompts, prefill_chunk, history)
     lens = jnp.asarray(np.array([len(p) for p in prompts] + [0] * (Bb - B), np.int32))
+    if model.engram is not None:
+        toks, logits = _host_decode_loop(model, state, history, first, lens, jax.random.PRNGKey(seed),
+                                         n_steps=max_new_tokens - 1, temperature=float(temperature),
+                                         keep_logits=return_logits)
+        return GenerateOutput(toks[:B], logits[:B] if return_logits else None)
     step = functools.partial(model_step, config=model.config, plan=model.plan, numerics=model.numerics,
                              all_logits=False)
     toks, logits, _ = _decode_loop(model.params, state, first, lens, jax.random.PRNGKey(seed),
@@ -132,6 +141,30 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
                                    n_steps=max_new_tokens - 1, temperature=float(temperature),
                                    keep_logits=return_logits)
     return GenerateOutput(np.asarray(toks)[:B], np.asarray(logits)[:B] if return_logits else None)
+
+
+_pick_jit = jax.jit(_pick, static_argnames=("temperature",))
+
+
+def _host_decode_loop(model: Model, state, history, first_logits, lens, key, *, n_steps, temperature, keep_logits):
+    """Decode for models with Engram: each step's table rows are hashed and gathered on the host from the
+    token just sampled, so the loop runs on the host (one device step per token)."""
+    step = model.step_fn(all_logits=False)
+    key, sub = jax.random.split(key)
+    tok = _pick_jit(first_logits, temperature=temperature, key=sub)
+    lens_np = np.asarray(lens)
+    toks, rows = [np.asarray(tok)], [first_logits]
+    for i in range(n_steps):
+        pos = np.where(lens_np > 0, lens_np + i, -1).astype(np.int32)[:, None]
+        eng = model.engram_inputs(history, toks[-1][:, None], pos)
+        logits, state = step(model.params, state, tok[:, None], jnp.asarray(pos), eng)
+        key, sub = jax.random.split(key)
+        tok = _pick_jit(logits, temperature=temperature, key=sub)
+        toks.append(np.asarray(tok))
+        if keep_logits:
+            rows.append(logits)
+    logits = np.stack([np.asarray(r) for r in rows], axis=1) if keep_logits else None
+    return np.stack(toks, axis=1), logits
 
 
 class _Hashable:
@@ -164,5 +197,6 @@ def forward(model: Model, token_ids: Sequence[int], pad_to: int | None = None) -
     toks = np.zeros((1, S), np.int32)
     pos = np.full((1, S), -1, np.int32)
     toks[0, :T], pos[0, :T] = ids, np.arange(T)
-    logits, _ = model.step_fn(all_logits=True)(model.params, state, jnp.asarray(toks), jnp.asarray(pos))
+    eng = model.engram_inputs(model.new_history(1), toks, pos)
+    logits, _ = model.step_fn(all_logits=True)(model.params, state, jnp.asarray(toks), jnp.asarray(pos), eng)
     return np.asarray(logits[0, :T])

@@ -15,17 +15,20 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .config import ModelConfig
-from .layers.block import block
+
+from .layers.block import block, block_v41
 from .layers.chunk import make_chunk
 from .layers.linear import linear_f32
-from .layers.mhc import hc_head_collapse
+from .layers.mhc import hc_collapse, hc_head_collapse
 from .layers.norm import rms_norm
 from .layers.rope import inv_freq
+from .layers.shared_attention import Published
 from .numerics import Numerics
 from .plan import LayerPlan, Segment
-from .state import init_state
+from .state import init_state, source_index
 
 __all__ = ["Model", "model_step", "DTYPES"]
 
@@ -58,26 +61,98 @@ def _run_segment(seg: Segment, seg_params: list, seg_state: list, X: jax.Array, 
     return X, seg_state
 
 
-def model_step(params: dict, state: list, tokens: jax.Array, positions: jax.Array, *, config: ModelConfig,
-               plan: LayerPlan, numerics: Numerics = Numerics(), all_logits: bool = False) -> tuple[jax.Array, list]:
+def _segment_aux(seg: Segment, config: ModelConfig, engram: tuple | None) -> list[dict]:
+    """Per-slot scanned inputs of a V4.1 segment: each repetition's shared-cache row and Engram rows."""
+    aux = []
+    for j, kind in enumerate(seg.pattern):
+        layers = [seg.layer(r, j) for r in range(seg.reps)]
+        a = {"row": jnp.asarray([source_index(config, li)[1] if kind.attn.ratio else 0 for li in layers], jnp.int32)}
+        if kind.engram:
+            order = np.asarray([config.engram.layer_ids.index(li) for li in layers])
+            a["engram"] = (engram[0][order], engram[1][order])
+        aux.append(a)
+    return aux
+
+
+def _run_segment_v41(seg: Segment, seg_params: list, seg_state: list, sources: dict, X, pre, published, aux,
+                     chunk, config: ModelConfig, numerics: Numerics):
+    split = [_split_experts(sp) for sp in seg_params]
+    per_layer = [s[0] for s in split]
+    experts = [s[1] for s in split]
+    freqs = [inv_freq(config.rope_for(kind.attn), config.rope_head_dim) for kind in seg.pattern]
+
+    def body(carry, xs):
+        X, pre, published, st, sources, r = carry
+        p_slots, a_slots = xs
+        st = [dict(d) for d in st]
+        for j, kind in enumerate(seg.pattern):
+            a = a_slots[j]
+            X, pre, st[j]["window"], sources, published = block_v41(
+                p_slots[j], experts[j], st[j]["window"], r, sources, a["row"], X, pre, published, a.get("engram"),
+                chunk, config=config, numerics=numerics, kind=kind, freqs=freqs[j])
+        return (X, pre, published, st, sources, r + 1), None
+
+    init = (X, pre, published, list(seg_state), sources, jnp.int32(0))
+    (X, pre, published, seg_state, sources, _), _ = jax.lax.scan(body, init, (per_layer, aux))
+    return X, pre, published, seg_state, sources
+
+
+def _layers_v41(params: dict, state: dict, X: jax.Array, chunk, engram: tuple | None, config: ModelConfig,
+                plan: LayerPlan, numerics: Numerics):
+    """The V4.1 stack: carries the delayed pre-mix and the published top-k / candidates across layers."""
+    if config.engram is not None and engram is None:
+        raise ValueError("this model has Engram layers: model_step needs the host-gathered `engram` rows")
+    B, S = chunk.tokens.shape
+    n = config.hc_mult
+    pre = jnp.broadcast_to(jnp.eye(n, dtype=jnp.float32)[0], (B, S, n))     # layer 0 collapses onto stream 0
+    sh = config.sharing
+    n_cand = 1
+    if sh.candidate_source is not None:
+        key, _ = source_index(config, sh.candidate_source)
+        n_cand = state["sources"][key]["ckv"].shape[2]
+    K = config.index_topk
+    published = Published(jnp.zeros((B, S, K), jnp.int32), jnp.zeros((B, S, K), bool), jnp.zeros((B, S, n_cand), bool))
+    sources = state["sources"]
+    new_segments = []
+    for s, seg in enumerate(plan.segments):
+        aux = _segment_aux(seg, config, engram)
+        X, pre, published, seg_state, sources = _run_segment_v41(
+            seg, params["segments"][s], state["segments"][s], sources, X, pre, published, aux, chunk, config, numerics)
+        new_segments.append(seg_state)
+    return X, pre, {"segments": new_segments, "sources": sources}
+
+
+def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Array, engram: tuple | None = None, *,
+               config: ModelConfig, plan: LayerPlan, numerics: Numerics = Numerics(),
+               all_logits: bool = False) -> tuple[jax.Array, dict]:
     """One chunk through the model.
 
     tokens int32 [B, S]; positions int32 [B, S] (absolute, consecutive per row, -1 = padding after the
-    real tokens). Returns (logits, state): fp32 [B, S, V] if all_logits, else [B, V] at each row's last
-    real token (rows without real tokens get meaningless logits).
+    real tokens). engram (models with Engram layers): the host-gathered table rows of this chunk, codes
+    uint8 [n_engram, B, S, R, hd] and scales uint8 [n_engram, B, S, R, hd/32] (jdeep/engram.py).
+    Returns (logits, state): fp32 [B, S, V] if all_logits, else [B, V] at each row's last real token
+    (rows without real tokens get meaningless logits).
     """
     chunk = make_chunk(tokens, positions, config.vocab_size)
     x = params["embed"][chunk.tokens]                                   # [B, S, d]
     X = jnp.broadcast_to(x[:, :, None, :], x.shape[:2] + (config.hc_mult, x.shape[-1]))
-    new_state = []
-    for s, seg in enumerate(plan.segments):
-        X, seg_state = _run_segment(seg, params["segments"][s], state[s], X, chunk, config, numerics)
-        new_state.append(seg_state)
-    if not all_logits:
-        last = jnp.clip(chunk.n_valid - 1, 0, X.shape[1] - 1)
-        X = jnp.take_along_axis(X, last[:, None, None, None], axis=1)[:, 0]
-    h = hc_head_collapse(X, params["hc_head_fn"], params["hc_head_base"], params["hc_head_scale"],
-                         norm_eps=config.norm_eps, hc_eps=config.hc_eps)
+    last = jnp.clip(chunk.n_valid - 1, 0, X.shape[1] - 1)
+    if config.is_v41:
+        X, pre, new_state = _layers_v41(params, state, X, chunk, engram, config, plan, numerics)
+        if not all_logits:
+            X = jnp.take_along_axis(X, last[:, None, None, None], axis=1)[:, 0]
+            pre = jnp.take_along_axis(pre, last[:, None, None], axis=1)[:, 0]
+        h = hc_collapse(X, pre)
+    else:
+        segments = []
+        for s, seg in enumerate(plan.segments):
+            X, seg_state = _run_segment(seg, params["segments"][s], state["segments"][s], X, chunk, config, numerics)
+            segments.append(seg_state)
+        new_state = {"segments": segments, "sources": state["sources"]}
+        if not all_logits:
+            X = jnp.take_along_axis(X, last[:, None, None, None], axis=1)[:, 0]
+        h = hc_head_collapse(X, params["hc_head_fn"], params["hc_head_base"], params["hc_head_scale"],
+                             norm_eps=config.norm_eps, hc_eps=config.hc_eps)
     h = rms_norm(h, params["norm"], config.norm_eps)
     return linear_f32(h, params["head"]), new_state
 
@@ -98,10 +173,23 @@ class Model:
     params: dict
     dtype: Any
     numerics: Numerics = Numerics()
+    engram: Any = None   # jdeep.engram.EngramHost for models with Engram layers
 
     def step_fn(self, all_logits: bool) -> Callable:
-        """jit-compiled `model_step(params, state, tokens, positions)`, state donated."""
+        """jit-compiled `model_step(params, state, tokens, positions, engram=None)`, state donated."""
         return compiled_step(self.config, self.plan, self.numerics, all_logits)
+
+    def new_history(self, batch: int) -> Any:
+        """Host-side per-sequence Engram histories (None for models without Engram)."""
+        return None if self.engram is None else self.engram.history(batch)
+
+    def engram_inputs(self, history: Any, tokens: np.ndarray, positions: np.ndarray) -> tuple | None:
+        """The `engram` argument of a step over tokens / positions int [B, S] (positions -1 = padding after
+        the real tokens): the table rows gathered on the host; advances `history`. None without Engram."""
+        if self.engram is None:
+            return None
+        codes, scales = self.engram.rows(history, np.asarray(tokens), np.sum(np.asarray(positions) >= 0, axis=1))
+        return jnp.asarray(codes), jnp.asarray(scales)
 
     def init_state(self, batch: int, max_len: int) -> list:
         """Empty decode state for `batch` sequences of up to `max_len` tokens (see state.py)."""

@@ -3,7 +3,8 @@
 `Numerics` is static (hashable) and travels with the compiled step. With a quantized checkpoint and
 `quantize_activations=True` jdeep runs DeepSeek's reference numerics (model-spec.md §6.3-§6.4):
 fp8 act_quant before every fp8/fp4 GEMM, fp8 QAT of the window and compressed KV (non-rope dims),
-Hadamard + fp4 QAT of the indexer's queries and keys. With `False` the weights stay quantized
+Hadamard + fp4 QAT of the indexer's queries and keys (V4.1, §5: fp8 over all KV dims in blocks of 32,
+fp4 compressed KV with e4m3 scales, indexer fp4 without Hadamard). With `False` the weights stay quantized
 (decoded on the fly) but activations, KV and indexer run in float: the transformers numerics.
 """
 
@@ -28,6 +29,8 @@ class Numerics:
     fp8_max: float = E4M3FN_MAX                  # activation/KV fp8 range (240 or 224 on trn2)
     trn2_weights: bool = False                   # weight codes were rescaled into trn2's e4m3 at load
     packed_kv: bool = False                      # window/compressed KV kept as uint8 records (kv_record.py)
+    v41: bool = False                            # DeepSeek-V4.1's QAT: fp8 over all KV dims, no Hadamard,
+    ckv_fp4_block: int = 16                      # compressed KV fp4 with e4m3 scales per 1 x ckv_fp4_block
 
     @classmethod
     def for_config(cls, config: ModelConfig, quantize_activations: bool | None = None,
@@ -35,6 +38,8 @@ class Numerics:
         """Defaults: DeepSeek's numerics for a quantized checkpoint, plain float otherwise."""
         dense_fmt, _, block = weight_formats(config)
         quantized = dense_fmt != "float"
+        if packed_kv and config.is_v41:
+            raise ValueError("packed_kv is not supported for DeepSeek-V4.1 yet (its KV is simulated in float caches)")
         if quantize_activations is None:
             quantize_activations = quantized
         if fp8_max not in (E4M3FN_MAX, E4M3_TRN2_MAX, 224.0):
@@ -43,8 +48,8 @@ class Numerics:
             raise ValueError("packed_kv=True stores the KV as fp8 records and needs DeepSeek's KV QAT "
                              "(quantize_activations=True); with float KV it would change the results")
         nx = cls(quantize_activations=bool(quantize_activations), weight_block=block, act_block=block[1],
-                 fp8_max=float(fp8_max), trn2_weights=quantized and fp8_max < E4M3FN_MAX,
-                 packed_kv=bool(packed_kv))
+                 kv_block=32 if config.is_v41 else 64, fp8_max=float(fp8_max),
+                 trn2_weights=quantized and fp8_max < E4M3FN_MAX, packed_kv=bool(packed_kv), v41=config.is_v41)
         nx._check(config, quantized)
         return nx
 
@@ -52,8 +57,12 @@ class Numerics:
         """The block sizes must tile the tensors they quantize (DeepSeek's kernels assert the same)."""
         if not self.quantize_activations:
             return
-        need = {"head_dim - qk_rope_head_dim (KV QAT)": (c.head_dim - c.rope_head_dim, self.kv_block),
-                "index_head_dim (indexer fp4 QAT)": (c.index_head_dim, self.fp4_block)}
+        need = {"index_head_dim (indexer fp4 QAT)": (c.index_head_dim, self.fp4_block)}
+        if self.v41:
+            need.update({"head_dim (window KV fp8 QAT)": (c.head_dim, self.kv_block),
+                         "head_dim (compressed KV fp4 QAT)": (c.head_dim, self.ckv_fp4_block)})
+        else:
+            need["head_dim - qk_rope_head_dim (KV QAT)"] = (c.head_dim - c.rope_head_dim, self.kv_block)
         if quantized:
             need.update({"hidden_size": (c.dim, self.act_block), "q_lora_rank": (c.q_lora_rank, self.act_block),
                          "moe_intermediate_size": (c.moe_inter_dim, self.act_block),
@@ -62,5 +71,5 @@ class Numerics:
             if n % b:
                 raise ConfigError(f"{what} = {n} is not a multiple of the quantisation block {b}: "
                                   "DeepSeek's numerics (quantize_activations=True) cannot run on this config")
-        if c.index_head_dim & (c.index_head_dim - 1):
+        if not self.v41 and c.index_head_dim & (c.index_head_dim - 1):
             raise ConfigError(f"index_head_dim = {c.index_head_dim} must be a power of two for the indexer's Hadamard rotation")

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import ModelConfig
-from .plan import LayerKind
+from .plan import REUSE, LayerKind
 
-__all__ = ["TensorSpec", "layer_specs", "top_specs", "tree_leaves", "F32", "WEIGHT", "INDEX",
+__all__ = ["TensorSpec", "layer_specs", "top_specs", "tree_leaves", "engram_table_specs", "F32", "WEIGHT", "INDEX",
            "FLOAT", "FP8", "FP4", "FP8_DEQUANT", "FP4_BLOCK"]
 
 WEIGHT = "weight"  # stored in the model dtype (float32 or bfloat16)
@@ -84,10 +84,14 @@ def tree_leaves(spec: TensorSpec) -> list[tuple[tuple[str, ...], tuple[int, ...]
 
 def top_specs(c: ModelConfig) -> list[TensorSpec]:
     n, d = c.hc_mult, c.dim
-    return [
+    specs = [
         TensorSpec("embed.weight", ("embed",), (c.vocab_size, d), WEIGHT),
         TensorSpec("head.weight", ("head",), (c.vocab_size, d), WEIGHT),
         TensorSpec("norm.weight", ("norm",), (d,), WEIGHT),
+    ]
+    if c.is_v41:   # V4.1 collapses the streams with the last layer's delayed pre-mix: no head mixer
+        return specs
+    return specs + [
         TensorSpec("hc_head_fn", ("hc_head_fn",), (n, n * d), F32),
         TensorSpec("hc_head_base", ("hc_head_base",), (n,), F32),
         TensorSpec("hc_head_scale", ("hc_head_scale",), (1,), F32),
@@ -138,7 +142,10 @@ def layer_specs(c: ModelConfig, kind: LayerKind) -> list[TensorSpec]:
         w("attn.attn_sink", (H,), F32),
     ]
     m = kind.attn.ratio
-    if m > 0:
+    DI, nI = c.index_head_dim, c.index_n_heads
+    if c.is_v41:
+        specs += _v41_attention_specs(c, kind, w, q8)
+    elif m > 0:
         cw = 2 if kind.attn.overlap else 1
         specs += [
             w("attn.compressor.wkv.weight", (cw * D, d)),
@@ -146,8 +153,7 @@ def layer_specs(c: ModelConfig, kind: LayerKind) -> list[TensorSpec]:
             w("attn.compressor.ape", (m, cw * D), F32),
             w("attn.compressor.norm.weight", (D,)),
         ]
-    if kind.attn.has_indexer:
-        DI, nI = c.index_head_dim, c.index_n_heads
+    if kind.attn.has_indexer and not c.is_v41:
         specs += [
             q8("attn.indexer.wq_b.weight", (nI * DI, c.q_lora_rank)),
             w("attn.indexer.weights_proj.weight", (nI, d)),
@@ -162,6 +168,8 @@ def layer_specs(c: ModelConfig, kind: LayerKind) -> list[TensorSpec]:
         specs.append(TensorSpec("ffn.gate.tid2eid", ("ffn", "gate", "tid2eid"), (c.vocab_size, k), INDEX))
     else:
         specs.append(TensorSpec("ffn.gate.bias", ("ffn", "gate", "bias"), (E,), F32))
+    if c.is_v41 and c.vision is not None:
+        specs.append(TensorSpec("ffn.gate.bias_vl", ("ffn", "gate", "bias_vl"), (E,), F32))
     for e in range(E):
         for name, shape in (("w1", (I, d)), ("w2", (d, I)), ("w3", (I, d))):
             specs.append(TensorSpec(f"ffn.experts.{e}.{name}.weight", ("ffn", name), shape, WEIGHT, expert=e,
@@ -171,4 +179,45 @@ def layer_specs(c: ModelConfig, kind: LayerKind) -> list[TensorSpec]:
         q8("ffn.shared_experts.w2.weight", (d, I)),
         q8("ffn.shared_experts.w3.weight", (I, d)),
     ]
+    if kind.engram:
+        e = c.engram
+        specs += [
+            q8("engram.wkv.weight", ((n + 1) * d, e.rows_per_token * e.head_dim)),
+            w("engram.q_weight", (n, d)),
+            w("engram.k_weight", (n, d)),
+        ]
     return specs
+
+
+def _v41_attention_specs(c: ModelConfig, kind: LayerKind, w, q8) -> list[TensorSpec]:
+    """V4.1 (model-spec.md §7.4): compressor and index-key projection only at KV sources, the indexer's
+    query side only at index sources; no ape, no indexer compressor."""
+    role, D, DI, nI, d = kind.shared, c.head_dim, c.index_head_dim, c.index_n_heads, c.dim
+    if role is None:
+        return []
+    specs = []
+    if role.kv_source:
+        specs.append(w("attn.compressor.wkv.weight", (D, d)))
+        if kind.attn.ratio > 1:
+            specs.append(w("attn.compressor.wgate.weight", (D, d)))
+        specs += [
+            w("attn.compressor.norm.weight", (D,)),
+            w("attn.indexer.wk.weight", (DI, D)),
+            w("attn.indexer.k_norm.weight", (DI,)),
+        ]
+    if role.index != REUSE:
+        specs += [
+            q8("attn.indexer.wq_b.weight", (nI * DI, c.q_lora_rank)),
+            w("attn.indexer.weights_proj.weight", (nI, d)),
+        ]
+    return specs
+
+
+def engram_table_specs(c: ModelConfig) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
+    """(table name, code shape [rows, head_dim], scale shape [rows, head_dim/32]) per Engram layer.
+    The tables stay on the host (memory-mapped), they are not part of the device param tree."""
+    if c.engram is None:
+        return []
+    e = c.engram
+    return [(f"layers.{layer}.engram.embed", (rows, e.head_dim), (rows, e.head_dim // 32))
+            for layer, rows in zip(e.layer_ids, e.num_embeddings)]

@@ -18,17 +18,36 @@ from .config import AttentionKind, ModelConfig
 
 __all__ = ["LayerKind", "Segment", "LayerPlan", "build_plan"]
 
-MAX_PERIOD = 4
+MAX_PERIOD = 6
+
+# V4.1 indexer roles of a compressed layer (model-spec.md §5.5)
+REUSE = "reuse"          # uses the top-k published by the latest index source
+OWN = "own"              # runs its own indexer and publishes its top-k
+CANDIDATE = "candidate"  # OWN, and also publishes the two-level block candidate mask
+RESTRICTED = "restricted"  # OWN, with scores outside the published candidate mask set to -inf
+
+
+@dataclass(frozen=True)
+class SharedRole:
+    """What a V4.1 compressed layer owns and publishes (the KV it reads is its source's)."""
+
+    kv_source: bool   # computes the compressed KV and index keys of its group of layers
+    index: str        # REUSE, OWN, CANDIDATE or RESTRICTED
 
 
 @dataclass(frozen=True)
 class LayerKind:
     attn: AttentionKind
     hash_moe: bool
+    shared: SharedRole | None = None   # V4.1 compressed layers
+    engram: bool = False               # V4.1 Engram update of the streams before the block
 
     @property
     def name(self) -> str:
-        return self.attn.name + ("_hash" if self.hash_moe else "")
+        name = self.attn.name + ("_hash" if self.hash_moe else "")
+        if self.shared is not None:
+            name += ("_src" if self.shared.kv_source else "") + ("" if self.shared.index == REUSE else "_" + self.shared.index)
+        return name + ("_engram" if self.engram else "")
 
 
 @dataclass(frozen=True)
@@ -58,8 +77,25 @@ class LayerPlan:
         raise IndexError(f"layer {layer} is outside the plan")
 
 
+def _shared_role(config: ModelConfig, layer: int) -> SharedRole | None:
+    sh = config.sharing
+    if sh is None or config.attention_kinds[layer].ratio == 0:
+        return None
+    index = REUSE
+    if layer == sh.candidate_source:
+        index = CANDIDATE
+    elif layer in sh.index_sources:
+        index = OWN
+        cand = sh.candidate_source
+        if cand is not None and layer > cand and config.kv_source_of(layer) == config.kv_source_of(cand):
+            index = RESTRICTED
+    return SharedRole(kv_source=layer in sh.kv_sources, index=index)
+
+
 def layer_kinds(config: ModelConfig) -> list[LayerKind]:
-    return [LayerKind(a, h) for a, h in zip(config.attention_kinds, config.hash_moe)]
+    engram = set(config.engram.layer_ids) if config.engram else set()
+    return [LayerKind(a, h, _shared_role(config, i), i in engram)
+            for i, (a, h) in enumerate(zip(config.attention_kinds, config.hash_moe))]
 
 
 def build_plan(config: ModelConfig, max_period: int = MAX_PERIOD) -> LayerPlan:

@@ -1,5 +1,7 @@
 """Decode state: per (segment, slot) caches stacked layer-major, for B sequence slots.
 
+    state = {"segments": [[slot dict, ...] per segment], "sources": {f"r{m}": dict}}
+
 Leaves of one slot (kind) have shape [reps, B, ...]; every cache has one spare *scratch* row at the
 end that absorbs the writes of padded tokens (so writes never need data-dependent shapes or
 out-of-bounds indices, and the spare row is never visible to a query):
@@ -13,6 +15,13 @@ out-of-bounds indices, and the spare row is never visible to a query):
     ibuf_kv / ibuf_score [R, B, 2m+1, 2*DI] fp32 indexer compressor ring
 
 with Tc = max_len // m, c = 2 and Rc = 2m for overlapping compressors, else c = 1 and Rc = m.
+
+DeepSeek-V4.1 layers own only their window; the compressed caches live with the KV sources (model-spec.md
+§8.2), stacked per compress ratio m over that ratio's sources (`source_index` gives a layer's row):
+
+    sources["r{m}"]: ckv [n_src, B, Tc+1, D] act dtype (fp4-simulated entries), ikeys [n_src, B, Tc+1, DI],
+                     and for m > 1 cbuf_kv / cbuf_score [n_src, B, m+1, D] fp32 (the compressor ring)
+
 No sequence length is stored: the positions passed with each chunk say where every sequence is.
 """
 
@@ -29,9 +38,9 @@ from .kernels.kv_record import record_bytes
 from .numerics import Numerics
 from .plan import LayerKind, LayerPlan
 
-__all__ = ["slot_state_shapes", "init_state", "state_bytes", "reset_slots"]
+__all__ = ["slot_state_shapes", "source_state_shapes", "source_index", "init_state", "state_bytes", "reset_slots"]
 
-State = list  # list (segments) of list (slots) of dict[str, jax.Array]
+State = dict  # {"segments": list (segments) of list (slots) of dict[str, jax.Array], "sources": dict}
 
 
 def slot_state_shapes(config: ModelConfig, kind: LayerKind, reps: int, batch: int, max_len: int,
@@ -43,7 +52,7 @@ def slot_state_shapes(config: ModelConfig, kind: LayerKind, reps: int, batch: in
         kv_dtype = jnp.uint8
     shapes = {"window": ((reps, batch, W + 1, kv_row), kv_dtype)}
     m = kind.attn.ratio
-    if m > 0:
+    if m > 0 and not config.is_v41:
         c = 2 if kind.attn.overlap else 1
         rc = c * m
         tc = max_len // m
@@ -58,6 +67,33 @@ def slot_state_shapes(config: ModelConfig, kind: LayerKind, reps: int, batch: in
     return shapes
 
 
+def source_index(config: ModelConfig, layer: int) -> tuple[str, int]:
+    """V4.1: (sources key, row) of the compressed caches `layer` reads (its KV source's)."""
+    src = config.kv_source_of(layer)
+    m = config.attention_kinds[src].ratio
+    same = [s for s in config.sharing.kv_sources if config.attention_kinds[s].ratio == m]
+    return f"r{m}", same.index(src)
+
+
+def source_state_shapes(config: ModelConfig, batch: int, max_len: int, dtype: Any
+                        ) -> dict[str, dict[str, tuple[tuple[int, ...], Any]]]:
+    """V4.1 shared compressed caches per compress ratio (empty for V4)."""
+    if not config.is_v41:
+        return {}
+    D, DI = config.head_dim, config.index_head_dim
+    out: dict[str, dict] = {}
+    for s in config.sharing.kv_sources:
+        m = config.attention_kinds[s].ratio
+        n = sum(config.attention_kinds[k].ratio == m for k in config.sharing.kv_sources)
+        tc = max_len // m
+        shapes = {"ckv": ((n, batch, tc + 1, D), dtype), "ikeys": ((n, batch, tc + 1, DI), dtype)}
+        if m > 1:
+            shapes["cbuf_kv"] = ((n, batch, m + 1, D), jnp.float32)
+            shapes["cbuf_score"] = ((n, batch, m + 1, D), jnp.float32)
+        out[f"r{m}"] = shapes
+    return out
+
+
 def _fill(name: str) -> float:
     # Gate scores start at -inf so that not-yet-seen tokens get zero softmax weight.
     return -np.inf if name.endswith("score") else 0.0
@@ -67,14 +103,16 @@ def init_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, d
                numerics: Numerics | None = None) -> State:
     """Fresh state for `batch` sequences of at most `max_len` tokens, placed on the default device
     (committed, like the loaded params and the step outputs, so every call hits one compiled program)."""
-    state = []
+    segments = []
     for seg in plan.segments:
         slots = []
         for kind in seg.pattern:
             shapes = slot_state_shapes(config, kind, seg.reps, batch, max_len, dtype, numerics)
             slots.append({k: jnp.full(s, _fill(k), dt) for k, (s, dt) in shapes.items()})
-        state.append(slots)
-    return jax.device_put(state, jax.devices()[0])
+        segments.append(slots)
+    sources = {key: {k: jnp.full(s, _fill(k), dt) for k, (s, dt) in shapes.items()}
+               for key, shapes in source_state_shapes(config, batch, max_len, dtype).items()}
+    return jax.device_put({"segments": segments, "sources": sources}, jax.devices()[0])
 
 
 def reset_slots(state: State, mask: jax.Array) -> State:
@@ -83,7 +121,8 @@ def reset_slots(state: State, mask: jax.Array) -> State:
         m = mask.reshape((1, -1) + (1,) * (leaf.ndim - 2))
         return jnp.where(m, jnp.asarray(_fill(name), leaf.dtype), leaf)
 
-    return [[{k: reset(k, v) for k, v in slot.items()} for slot in seg] for seg in state]
+    return {"segments": [[{k: reset(k, v) for k, v in slot.items()} for slot in seg] for seg in state["segments"]],
+            "sources": {key: {k: reset(k, v) for k, v in d.items()} for key, d in state["sources"].items()}}
 
 
 def state_bytes(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any,
@@ -93,4 +132,7 @@ def state_bytes(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, 
         for kind in seg.pattern:
             for shape, dt in slot_state_shapes(config, kind, seg.reps, batch, max_len, dtype, numerics).values():
                 total += int(np.prod(shape)) * np.dtype(dt).itemsize
+    for shapes in source_state_shapes(config, batch, max_len, dtype).values():
+        for shape, dt in shapes.values():
+            total += int(np.prod(shape)) * np.dtype(dt).itemsize
     return total

@@ -32,6 +32,7 @@ def teacher_forced_logits(model: Model, prompt, forced, chunk: int = 64, max_len
     forced = np.asarray(forced, np.int32)
     max_len = max(max_len, length_bucket(len(prompt) + len(forced) + 1, 256))
     state = model.init_state(1, max_len)
+    history = model.new_history(1)
     rows = []
     prefill_step = model.step_fn(all_logits=True)
     for start in range(0, len(prompt), chunk):
@@ -40,12 +41,14 @@ def teacher_forced_logits(model: Model, prompt, forced, chunk: int = 64, max_len
         toks = np.zeros((1, S), np.int32)
         pos = np.full((1, S), -1, np.int32)
         toks[0, :len(part)], pos[0, :len(part)] = part, np.arange(start, start + len(part))
-        logits, state = prefill_step(model.params, state, jnp.asarray(toks), jnp.asarray(pos))
+        eng = model.engram_inputs(history, toks, pos)
+        logits, state = prefill_step(model.params, state, jnp.asarray(toks), jnp.asarray(pos), eng)
         rows.extend(np.asarray(logits[0, :len(part)]))
     step = model.step_fn(all_logits=False)
     for k, tok in enumerate(forced):
         pos = np.array([[len(prompt) + k]], np.int32)
-        logits, state = step(model.params, state, jnp.asarray([[tok]], jnp.int32), jnp.asarray(pos))
+        eng = model.engram_inputs(history, np.array([[tok]]), pos)
+        logits, state = step(model.params, state, jnp.asarray([[tok]], jnp.int32), jnp.asarray(pos), eng)
         rows.append(np.asarray(logits[0]))
     return np.stack(rows)
 

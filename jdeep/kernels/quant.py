@@ -56,6 +56,20 @@ def fp4_fake_quant(x: jax.Array, block: int = 32) -> jax.Array:
     return (q * s[..., None]).reshape(x.shape).astype(x.dtype)
 
 
+FP4E4_AMAX_FLOOR = 6.0 * 2.0 ** -9      # Qfp4e4's floor: the scale never drops below e4m3's smallest subnormal
+
+
+@register("fp4e4_fake_quant")
+def fp4e4_fake_quant(x: jax.Array, block: int = 16) -> jax.Array:
+    """Qfp4e4 (V4.1 compressed KV): per 1 x block, an e4m3fn scale amax/6 rounded to nearest (not a power of
+    two), e2m1 values; dequantised, in x's dtype."""
+    xb = _blocks(x.astype(jnp.float32), block)
+    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), FP4E4_AMAX_FLOOR)
+    s = codecs.e4m3_round(jnp, amax / codecs.E2M1_MAX)
+    q = codecs.e2m1_round(jnp, xb / s[..., None])
+    return (q * s[..., None]).reshape(x.shape).astype(x.dtype)
+
+
 @register("hadamard")
 def hadamard(x: jax.Array) -> jax.Array:
     """Walsh-Hadamard transform over the last dim (Sylvester order), scaled by n^-1/2; fp32 math."""

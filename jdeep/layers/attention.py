@@ -19,12 +19,12 @@ from .linear import dense
 from .norm import rms_norm
 from .rope import apply_rope
 
-__all__ = ["attention"]
+__all__ = ["attention", "write_window", "output_projection", "window_keys"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _window_keys(st: dict, layer: jax.Array, chunk: Chunk, W: int, read) -> tuple[jax.Array, jax.Array]:
+def window_keys(st: dict, layer: jax.Array, chunk: Chunk, W: int, read) -> tuple[jax.Array, jax.Array]:
     """Ring entries written before this chunk and which query may see them: ([B, W, D], bool [B, S, W])."""
     ring = read(st["window"][layer][:, :W])
     last = chunk.pos0[:, None] - 1
@@ -84,7 +84,7 @@ def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *
     if qat is not None:
         kv = qat(kv)
 
-    ring, ring_visible = _window_keys(st, layer, chunk, W, read)
+    ring, ring_visible = window_keys(st, layer, chunk, W, read)
     t = pos[..., None]
     chunk_visible = (pos[:, None, :] <= t) & (pos[:, None, :] > t - W) & chunk.valid[:, None, :]
     shared_keys = [ring.astype(kv.dtype), kv]
@@ -112,17 +112,28 @@ def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *
     o = kernels.get("sparse_attention")(
         q, jnp.concatenate(shared_keys, axis=1), jnp.concatenate(shared_mask, axis=2),
         sel_keys, sel_mask, p["attn_sink"], D ** -0.5)
-    o = apply_rope(o, pos[..., None], freqs, inverse=True)
+    st = {**st, "window": write_window(st["window"], layer, chunk, kv, W, store)}
+    return output_projection(o, p, chunk, config=config, numerics=numerics, freqs=freqs, dtype=x.dtype), st
 
-    # Write this chunk's last W real tokens into the window ring; the rest goes to the scratch slot.
+
+def write_window(window: jax.Array, layer: jax.Array, chunk: Chunk, kv: jax.Array, W: int, store) -> jax.Array:
+    """Write the chunk's last W real tokens' K=V [B, S, D] into the ring [R, B, W+1, row] at slot t mod W;
+    everything else goes to the scratch slot W."""
+    pos = chunk.positions
     end = (chunk.pos0 + chunk.n_valid)[:, None]
     keep = chunk.valid & (pos >= end - W)
     slot = jnp.where(keep, pos % W, W)
-    st = {**st, "window": st["window"].at[layer, chunk.batch_index, slot].set(
-        store(jnp.where(keep[..., None], kv, 0)).astype(st["window"].dtype))}
+    return window.at[layer, chunk.batch_index, slot].set(store(jnp.where(keep[..., None], kv, 0)).astype(window.dtype))
 
+
+def output_projection(o: jax.Array, p: dict, chunk: Chunk, *, config: ModelConfig, numerics: Numerics,
+                      freqs: np.ndarray, dtype) -> jax.Array:
+    """Attention output o [B, S, H, D] -> [B, S, d]: inverse RoPE at the query position, then the grouped
+    low-rank projection (wo_a per group, bf16 einsum; wo_b)."""
+    B, S, H, D = o.shape
+    o = apply_rope(o, chunk.positions[..., None], freqs, inverse=True)
     G = config.o_groups
     wo_a = p["wo_a"].reshape(G, config.o_lora_rank, H * D // G)
     u = jnp.einsum("bsgk,gok->bsgo", o.reshape(B, S, G, H * D // G), wo_a,
-                   precision=HIGHEST, preferred_element_type=jnp.float32).astype(x.dtype)
-    return dense(u.reshape(B, S, G * config.o_lora_rank), p["wo_b"], numerics), st
+                   precision=HIGHEST, preferred_element_type=jnp.float32).astype(dtype)
+    return dense(u.reshape(B, S, G * config.o_lora_rank), p["wo_b"], numerics)

@@ -17,7 +17,7 @@ from .linear import linear_f32
 from .norm import rms_norm
 from .rope import apply_rope
 
-__all__ = ["compress_chunk"]
+__all__ = ["compress_chunk", "pool_chunk"]
 
 
 def _take(ext: jax.Array, idx: jax.Array) -> jax.Array:
@@ -27,24 +27,19 @@ def _take(ext: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(ext, idx, axis=1).reshape(B, G, m, ext.shape[-1])
 
 
-def compress_chunk(x: jax.Array, p: dict, cache: jax.Array, buf_kv: jax.Array, buf_score: jax.Array,
-                   layer: jax.Array, chunk: Chunk, *, ratio: int, overlap: bool, freqs: np.ndarray,
-                   norm_eps: float, qat: Callable[[jax.Array], jax.Array] | None = None,
-                   store: Callable[[jax.Array], jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Emit the compressed entries completed by this chunk and advance the compressor ring.
+def pool_chunk(a: jax.Array, z: jax.Array, buf_kv: jax.Array, buf_score: jax.Array, layer: jax.Array,
+               chunk: Chunk, *, ratio: int, overlap: bool, n_entries: int
+               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Softmax-gated pooling of the groups this chunk completes, and the advanced compressor ring.
 
-    x: [B, S, d] attention input (after attn_norm). p: wkv, wgate [c*Dc, d], ape [m, c*Dc], norm [Dc].
-    cache: [R, B, Tc+1, Dc]; buf_kv, buf_score: [R, B, Rc+1, c*Dc] fp32 (stacked layer-major; `layer`
-    selects the row). `qat` simulates the entry's storage precision after RoPE (DeepSeek's numerics);
-    `store` turns entries into cache rows (packed records) before the write.
-    Returns the updated (cache, buf_kv, buf_score).
+    a, z: [B, S, c*Dc] fp32 projections and gate scores (position bias included) of the chunk's tokens.
+    buf_kv, buf_score: [R, B, Rc+1, c*Dc] fp32 rings (`layer` selects the row). n_entries: cache rows
+    (Tc) — groups at or beyond it are dropped. Returns (pooled fp32 [B, G, Dc], group ids g int32 [B, G],
+    g_valid bool [B, G], buf_kv, buf_score) with G = ceil(S / m).
     """
-    B, S, _ = x.shape
+    S = a.shape[1]
     m = ratio
-    c = 2 if overlap else 1
-    rc = c * m
-    a = linear_f32(x, p["wkv"])                                   # [B, S, c*Dc]
-    z = linear_f32(x, p["wgate"]) + p["ape"][chunk.positions % m]
+    rc = (2 if overlap else 1) * m
     ring_kv, ring_sc = buf_kv[layer], buf_score[layer]            # [B, Rc+1, c*Dc]
 
     ring_pos = chunk.pos0[:, None] - rc + jnp.arange(rc, dtype=jnp.int32)[None, :]
@@ -56,8 +51,7 @@ def compress_chunk(x: jax.Array, p: dict, cache: jax.Array, buf_kv: jax.Array, b
 
     n_groups = -(-S // m)
     g = chunk.pos0[:, None] // m + jnp.arange(n_groups, dtype=jnp.int32)[None, :]   # [B, G]
-    tc = cache.shape[2] - 1
-    g_valid = ((g + 1) * m <= (chunk.pos0 + chunk.n_valid)[:, None]) & (g < tc)
+    g_valid = ((g + 1) * m <= (chunk.pos0 + chunk.n_valid)[:, None]) & (g < n_entries)
     cur = g[..., None] * m + jnp.arange(m, dtype=jnp.int32) - (chunk.pos0[:, None, None] - rc)  # ext index
     if overlap:
         dc = a.shape[-1] // 2
@@ -66,6 +60,34 @@ def compress_chunk(x: jax.Array, p: dict, cache: jax.Array, buf_kv: jax.Array, b
     else:
         kv, sc = _take(ext_kv, cur), _take(ext_sc, cur)
     pooled = jnp.sum(jax.nn.softmax(sc, axis=2) * kv, axis=2)     # [B, G, Dc] fp32
+
+    # Keep the projections of the last Rc real tokens; everything else lands in the scratch slot.
+    end = (chunk.pos0 + chunk.n_valid)[:, None]
+    keep = chunk.valid & (chunk.positions >= end - rc)
+    slot = jnp.where(keep, chunk.positions % rc, rc)
+    buf_kv = buf_kv.at[layer, chunk.batch_index, slot].set(jnp.where(keep[..., None], a, 0.0))
+    buf_score = buf_score.at[layer, chunk.batch_index, slot].set(jnp.where(keep[..., None], z, -jnp.inf))
+    return pooled, g, g_valid, buf_kv, buf_score
+
+
+def compress_chunk(x: jax.Array, p: dict, cache: jax.Array, buf_kv: jax.Array, buf_score: jax.Array,
+                   layer: jax.Array, chunk: Chunk, *, ratio: int, overlap: bool, freqs: np.ndarray,
+                   norm_eps: float, qat: Callable[[jax.Array], jax.Array] | None = None,
+                   store: Callable[[jax.Array], jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Emit the compressed entries completed by this chunk and advance the compressor ring (V4).
+
+    x: [B, S, d] attention input (after attn_norm). p: wkv, wgate [c*Dc, d], ape [m, c*Dc], norm [Dc].
+    cache: [R, B, Tc+1, Dc]; buf_kv, buf_score: [R, B, Rc+1, c*Dc] fp32 (stacked layer-major; `layer`
+    selects the row). `qat` simulates the entry's storage precision after RoPE (DeepSeek's numerics);
+    `store` turns entries into cache rows (packed records) before the write.
+    Returns the updated (cache, buf_kv, buf_score).
+    """
+    m = ratio
+    a = linear_f32(x, p["wkv"])                                   # [B, S, c*Dc]
+    z = linear_f32(x, p["wgate"]) + p["ape"][chunk.positions % m]
+    tc = cache.shape[2] - 1
+    pooled, g, g_valid, buf_kv, buf_score = pool_chunk(a, z, buf_kv, buf_score, layer, chunk, ratio=m,
+                                                       overlap=overlap, n_entries=tc)
     entry = rms_norm(pooled.astype(x.dtype), p["norm"], norm_eps)
     entry = apply_rope(entry, g * m, freqs)
     if qat is not None:
@@ -75,11 +97,4 @@ def compress_chunk(x: jax.Array, p: dict, cache: jax.Array, buf_kv: jax.Array, b
         entry = store(entry)
     entry = entry.astype(cache.dtype)
     cache = cache.at[layer, chunk.batch_index, jnp.where(g_valid, g, tc)].set(entry)
-
-    # Keep the projections of the last Rc real tokens; everything else lands in the scratch slot.
-    end = (chunk.pos0 + chunk.n_valid)[:, None]
-    keep = chunk.valid & (chunk.positions >= end - rc)
-    slot = jnp.where(keep, chunk.positions % rc, rc)
-    buf_kv = buf_kv.at[layer, chunk.batch_index, slot].set(jnp.where(keep[..., None], a, 0.0))
-    buf_score = buf_score.at[layer, chunk.batch_index, slot].set(jnp.where(keep[..., None], z, -jnp.inf))
     return cache, buf_kv, buf_score

@@ -19,14 +19,20 @@ def route(x: jax.Array, tokens: jax.Array, p: dict, *, config: ModelConfig, hash
 
     p: weight [E, d], and bias [E] (top-k steering) or tid2eid int32 [V, k] (hash routing).
     """
-    scores = jnp.sqrt(jax.nn.softplus(linear_f32(x, p["weight"])))         # [T, E]
+    logits = linear_f32(x, p["weight"])
+    if config.is_v41:
+        logits = logits / config.gate_temp
+    scores = jnp.sqrt(jax.nn.softplus(logits))                              # [T, E]
     k = config.n_activated_experts
     if hash_moe:
         idx = p["tid2eid"][tokens]
     else:
         _, idx = jax.lax.top_k(scores + p["bias"], k)
     w = jnp.take_along_axis(scores, idx, axis=-1)
-    w = config.route_scale * w / jnp.sum(w, axis=-1, keepdims=True)
+    denom = jnp.sum(w, axis=-1, keepdims=True)
+    if config.is_v41:
+        denom = denom + 1e-20   # V4.1's guard (V4 records none)
+    w = config.route_scale * w / denom
     return idx.astype(jnp.int32), w
 
 
