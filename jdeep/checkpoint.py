@@ -460,8 +460,13 @@ _NP_TO_ST = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(
              np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3", np.dtype(ml_dtypes.float8_e8m0fnu): "F8_E8M0"}
 
 
-def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
-    """Write a .safetensors file (any numpy dtype above, bf16 included)."""
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
+                      holes: dict[str, tuple[Any, tuple[int, ...]]] | None = None) -> None:
+    """Write a .safetensors file (any numpy dtype above, bf16 included).
+
+    holes: name -> (numpy dtype, shape) of tensors whose bytes are not written: the file is extended over
+    them (a sparse file on filesystems that support it; they read as zeros). For tests and tools that need
+    huge tensors (e.g. Engram tables) without the disk space or the time to write them."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = metadata
@@ -474,6 +479,13 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
         header[name] = {"dtype": _NP_TO_ST[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
         arrays.append(a)
+    for name, (dt, shape) in (holes or {}).items():
+        dt = np.dtype(dt)
+        if dt not in _NP_TO_ST:
+            raise TypeError(f"cannot write {name!r} of dtype {dt}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        header[name] = {"dtype": _NP_TO_ST[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as f:
@@ -481,6 +493,7 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
         f.write(raw)
         for a in arrays:
             f.write(a.tobytes())
+        f.truncate(8 + len(raw) + offset)
 
 
 # ---------------------------------------------------------------------------- orbax

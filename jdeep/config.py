@@ -379,7 +379,43 @@ class ModelConfig:
                                  "beta_fast": y.beta_fast, "beta_slow": y.beta_slow}
         if self.quantization is not None:
             d["quantization_config"] = dict(self.quantization)
+        if self.is_v41:
+            return self._v41_dict(d, ratios)
         return d
+
+    def _v41_dict(self, d: dict[str, Any], ratios: list[int]) -> dict[str, Any]:
+        """V4.1's HF layout: architecture fields under `text_config`."""
+        text = {k: v for k, v in d.items() if k not in ("quantization_config", "bos_token_id", "eos_token_id",
+                                                         "mlp_layer_types", "layer_types", "compress_rates")}
+        text["model_type"] = "deepseek_v41_text"
+        text["compress_ratios"] = ratios + [0] * self.n_mtp_layers
+        sh = self.sharing
+        text.update({"kv_source_layer_ids": list(sh.kv_sources), "index_source_layer_ids": list(sh.index_sources),
+                     "candidate_source_layer_id": sh.candidate_source,
+                     "candidate_topk_blocks": sh.candidate_topk_blocks,
+                     "candidate_block_size": sh.candidate_block_size, "gate_temp": self.gate_temp})
+        if self.engram is not None:
+            e = self.engram
+            text.update({"engram_layer_ids": list(e.layer_ids), "engram_num_embeddings": list(e.num_embeddings),
+                         "engram_max_ngram_size": e.max_ngram_size, "engram_n_heads": e.n_heads,
+                         "engram_head_dim": e.head_dim, "engram_vocab_size": e.vocab_size,
+                         "engram_pad_token_id": e.pad_id, "engram_compressed_vocab_size": e.compressed_vocab_size})
+        if self.dspark is not None:
+            ds = self.dspark
+            text.update({"dspark_block_size": ds.block_size, "dspark_noise_token_id": ds.noise_token_id,
+                         "dspark_markov_rank": ds.markov_rank, "dspark_n_routed_experts": ds.n_routed_experts,
+                         "dspark_num_experts_per_tok": ds.n_activated_experts,
+                         "dspark_target_layer_ids": list(ds.target_layer_ids)})
+        out: dict[str, Any] = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+                               "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+                               "text_config": text}
+        if self.image_token_id is not None:
+            out["image_token_id"] = self.image_token_id
+        if self.vision is not None:
+            out["vision_config"] = dict(self.vision)
+        if self.quantization is not None:
+            out["quantization_config"] = dict(self.quantization)
+        return out
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -786,6 +822,37 @@ def _v4_preset(*, dim, n_layers, ratios, n_heads, q_lora_rank, o_groups, index_t
     }
 
 
+def _v41_preset() -> dict[str, Any]:
+    """DeepSeek-V4.1-Flash as released (model-spec.md §2.1-§2.3), in its HF config layout."""
+    text = _v4_preset(dim=5120, n_layers=40, ratios=[0, 0] + [2] * 18 + [1] * 20 + [0] * 3, n_heads=64,
+                      q_lora_rank=1280, o_groups=8, index_topk=512, n_experts=384, route_scale=1.5,
+                      moe_inter_dim=2304)
+    for k in ("quantization_config", "bos_token_id", "eos_token_id"):
+        text.pop(k)
+    text.update({
+        "model_type": "deepseek_v41_text", "num_hash_layers": 0, "index_n_heads": 32, "rms_norm_eps": 1e-20,
+        "num_nextn_predict_layers": 3, "kv_source_layer_ids": [2, 8, 14, 20],
+        "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36], "candidate_source_layer_id": 20,
+        "candidate_topk_blocks": 2048, "candidate_block_size": 8, "gate_temp": 1.0,
+        "engram_layer_ids": [1, 14], "engram_num_embeddings": [384006168, 384016682], "engram_max_ngram_size": 4,
+        "engram_n_heads": 8, "engram_head_dim": 256, "engram_vocab_size": 16000000, "engram_pad_token_id": 2,
+        "engram_compressed_vocab_size": 99092, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
+        "dspark_markov_rank": 256, "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3,
+        "dspark_target_layer_ids": [37, 38, 39],
+    })
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "bos_token_id": 0,
+        "eos_token_id": 1, "pad_token_id": 2, "image_token_id": 129264,
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+                                "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
+        "text_config": text,
+        "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 32, "hidden_size": 1024,
+                          "num_attention_heads": 16, "intermediate_size": 2816, "patch_size": 14, "rope_theta": 10000,
+                          "downsample_ratio": 3, "max_image_tokens": 1024, "min_pixels": 295936,
+                          "max_wh_ratio": None},
+    }
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "v4-flash": _v4_preset(dim=4096, n_layers=43, ratios=[0, 0] + [4, 128] * 20 + [4] + [0], n_heads=64,
                            q_lora_rank=1024, o_groups=8, index_topk=512, n_experts=256, route_scale=1.5,
@@ -793,11 +860,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "v4-pro": _v4_preset(dim=7168, n_layers=61, ratios=[128, 128] + [4, 128] * 29 + [4] + [0], n_heads=128,
                          q_lora_rank=1536, o_groups=16, index_topk=1024, n_experts=384, route_scale=2.5,
                          moe_inter_dim=3072),
+    "v41-flash": _v41_preset(),
 }
 
 
 def preset(name: str) -> ModelConfig:
-    """The released architecture sizes: 'v4-flash' or 'v4-pro'."""
+    """The released architecture sizes: 'v4-flash', 'v4-pro' or 'v41-flash'."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     return ModelConfig.from_dict(PRESETS[name])

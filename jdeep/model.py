@@ -75,7 +75,7 @@ def _segment_aux(seg: Segment, config: ModelConfig, engram: tuple | None) -> lis
 
 
 def _run_segment_v41(seg: Segment, seg_params: list, seg_state: list, sources: dict, X, pre, published, aux,
-                     chunk, config: ModelConfig, numerics: Numerics):
+                     chunk, config: ModelConfig, numerics: Numerics, streams: bool = False):
     split = [_split_experts(sp) for sp in seg_params]
     per_layer = [s[0] for s in split]
     experts = [s[1] for s in split]
@@ -85,20 +85,21 @@ def _run_segment_v41(seg: Segment, seg_params: list, seg_state: list, sources: d
         X, pre, published, st, sources, r = carry
         p_slots, a_slots = xs
         st = [dict(d) for d in st]
+        outs = []
         for j, kind in enumerate(seg.pattern):
             a = a_slots[j]
             X, pre, st[j]["window"], sources, published = block_v41(
                 p_slots[j], experts[j], st[j]["window"], r, sources, a["row"], X, pre, published, a.get("engram"),
-                chunk, config=config, numerics=numerics, kind=kind, freqs=freqs[j])
-        return (X, pre, published, st, sources, r + 1), None
+                chunk, config=config, numerics=numerics, kind=kind, freqs=freqs[j], record=outs if streams else None)
+        return (X, pre, published, st, sources, r + 1), (outs if streams else None)
 
     init = (X, pre, published, list(seg_state), sources, jnp.int32(0))
-    (X, pre, published, seg_state, sources, _), _ = jax.lax.scan(body, init, (per_layer, aux))
-    return X, pre, published, seg_state, sources
+    (X, pre, published, seg_state, sources, _), ys = jax.lax.scan(body, init, (per_layer, aux))
+    return X, pre, published, seg_state, sources, ys
 
 
 def _layers_v41(params: dict, state: dict, X: jax.Array, chunk, engram: tuple | None, config: ModelConfig,
-                plan: LayerPlan, numerics: Numerics):
+                plan: LayerPlan, numerics: Numerics, streams: bool = False):
     """The V4.1 stack: carries the delayed pre-mix and the published top-k / candidates across layers."""
     if config.engram is not None and engram is None:
         raise ValueError("this model has Engram layers: model_step needs the host-gathered `engram` rows")
@@ -114,31 +115,52 @@ def _layers_v41(params: dict, state: dict, X: jax.Array, chunk, engram: tuple | 
     published = Published(jnp.zeros((B, S, K), jnp.int32), jnp.zeros((B, S, K), bool), jnp.zeros((B, S, n_cand), bool))
     sources = state["sources"]
     new_segments = []
+    recorded = {"block_out": [None] * config.n_layers, "engram_out": []}
     for s, seg in enumerate(plan.segments):
         aux = _segment_aux(seg, config, engram)
-        X, pre, published, seg_state, sources = _run_segment_v41(
-            seg, params["segments"][s], state["segments"][s], sources, X, pre, published, aux, chunk, config, numerics)
+        X, pre, published, seg_state, sources, ys = _run_segment_v41(
+            seg, params["segments"][s], state["segments"][s], sources, X, pre, published, aux, chunk, config, numerics,
+            streams)
         new_segments.append(seg_state)
-    return X, pre, {"segments": new_segments, "sources": sources}
+        if streams:
+            k = 0
+            for j, kind in enumerate(seg.pattern):
+                if kind.engram:
+                    recorded["engram_out"] += [(seg.layer(r, j), ys[k][r]) for r in range(seg.reps)]
+                    k += 1
+                for r in range(seg.reps):
+                    recorded["block_out"][seg.layer(r, j)] = ys[k][r]
+                k += 1
+    new_state = {"segments": new_segments, "sources": sources}
+    if streams:
+        return X, pre, new_state, {"block_out": jnp.stack(recorded["block_out"]),
+                                   "engram_out": jnp.stack([x for _, x in sorted(recorded["engram_out"],
+                                                                                 key=lambda t: t[0])])}
+    return X, pre, new_state
 
 
 def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Array, engram: tuple | None = None, *,
                config: ModelConfig, plan: LayerPlan, numerics: Numerics = Numerics(),
-               all_logits: bool = False) -> tuple[jax.Array, dict]:
+               all_logits: bool = False, streams: bool = False):
     """One chunk through the model.
 
     tokens int32 [B, S]; positions int32 [B, S] (absolute, consecutive per row, -1 = padding after the
     real tokens). engram (models with Engram layers): the host-gathered table rows of this chunk, codes
     uint8 [n_engram, B, S, R, hd] and scales uint8 [n_engram, B, S, R, hd/32] (jdeep/engram.py).
     Returns (logits, state): fp32 [B, S, V] if all_logits, else [B, V] at each row's last real token
-    (rows without real tokens get meaningless logits).
+    (rows without real tokens get meaningless logits). With `streams` (V4.1, for layer-by-layer checks)
+    a third output holds the residual streams after every block, block_out [n_layers, B, S, n, d], and
+    right after every Engram update, engram_out [n_engram, B, S, n, d].
     """
     chunk = make_chunk(tokens, positions, config.vocab_size)
     x = params["embed"][chunk.tokens]                                   # [B, S, d]
     X = jnp.broadcast_to(x[:, :, None, :], x.shape[:2] + (config.hc_mult, x.shape[-1]))
     last = jnp.clip(chunk.n_valid - 1, 0, X.shape[1] - 1)
+    recorded = None
     if config.is_v41:
-        X, pre, new_state = _layers_v41(params, state, X, chunk, engram, config, plan, numerics)
+        out = _layers_v41(params, state, X, chunk, engram, config, plan, numerics, streams)
+        X, pre, new_state = out[:3]
+        recorded = out[3] if streams else None
         if not all_logits:
             X = jnp.take_along_axis(X, last[:, None, None, None], axis=1)[:, 0]
             pre = jnp.take_along_axis(pre, last[:, None, None], axis=1)[:, 0]
@@ -154,6 +176,10 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
         h = hc_head_collapse(X, params["hc_head_fn"], params["hc_head_base"], params["hc_head_scale"],
                              norm_eps=config.norm_eps, hc_eps=config.hc_eps)
     h = rms_norm(h, params["norm"], config.norm_eps)
+    if streams:
+        if recorded is None:
+            raise ValueError("streams=True is implemented for DeepSeek-V4.1 models")
+        return linear_f32(h, params["head"]), new_state, recorded
     return linear_f32(h, params["head"]), new_state
 
 

@@ -45,7 +45,8 @@ class LayerKind:
     @property
     def name(self) -> str:
         name = self.attn.name + ("_hash" if self.hash_moe else "")
-        if self.shared is not None:
+        if self.shared is not None:   # V4.1 compressed layer: c<ratio>[_src][_<indexer role>]
+            name = f"c{self.attn.ratio}"
             name += ("_src" if self.shared.kv_source else "") + ("" if self.shared.index == REUSE else "_" + self.shared.index)
         return name + ("_engram" if self.engram else "")
 

@@ -441,17 +441,83 @@ def test_n_routed_experts_score_is_ignored():
 
 
 # ------------------------------------------------------------------------------------------ V4.1
-@pytest.mark.parametrize("model_type", ["deepseek_v41", "deepseek_v41_text"])
-def test_v41_model_type_not_supported(model_type):
-    raw = dict(TINY_CONFIG, model_type=model_type)
-    with pytest.raises(ConfigError, match="deepseek_v41.*not supported"):
-        ModelConfig.from_dict(raw)
+def _v41_raw() -> dict:
+    with open(V41_JSON) as f:
+        return json.load(f)
 
 
 @pytest.mark.skipif(not os.path.exists(V41_JSON), reason="golden checkpoints not available")
-def test_v41_golden_config_not_supported():
-    with pytest.raises(ConfigError, match="deepseek_v41.*not supported"):
-        ModelConfig.from_file(V41_JSON)
+def test_v41_golden_config():
+    raw = _v41_raw()
+    text = raw["text_config"]
+    c = ModelConfig.from_file(V41_JSON)
+    assert c.is_v41 and c.norm_eps == text["rms_norm_eps"] and c.n_hash_layers == 0
+    assert c.sharing.kv_sources == tuple(text["kv_source_layer_ids"])
+    assert c.sharing.index_sources == tuple(text["index_source_layer_ids"])
+    assert c.sharing.candidate_source == text["candidate_source_layer_id"]
+    assert c.engram.layer_ids == tuple(text["engram_layer_ids"])
+    assert c.engram.num_embeddings == tuple(text["engram_num_embeddings"])
+    assert [k.ratio for k in c.attention_kinds] == text["compress_ratios"][:c.n_layers]
+    assert not any(k.overlap for k in c.attention_kinds)
+    assert c.quantization["weight_block_size"] == [32, 32]
+    assert ModelConfig.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.skipif(not os.path.exists(V41_JSON), reason="golden checkpoints not available")
+def test_v41_model_args_spelling():
+    """The reference code's inference/config.json names give the same config as the HF layout."""
+    text = _v41_raw()["text_config"]
+    rename = {"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+              "moe_intermediate_size": "moe_inter_dim", "num_experts_per_tok": "n_activated_experts",
+              "routed_scaling_factor": "route_scale", "scoring_func": "score_func", "rms_norm_eps": "norm_eps",
+              "sliding_window": "window_size", "qk_rope_head_dim": "rope_head_dim",
+              "num_nextn_predict_layers": "n_mtp_layers", "kv_source_layer_ids": "kv_source_layers",
+              "index_source_layer_ids": "index_source_layers", "candidate_source_layer_id": "candidate_source_layer",
+              "engram_pad_token_id": "engram_pad_id"}
+    skip = {"model_type", "num_key_value_heads", "hidden_act", "attention_bias", "rope_scaling", "topk_method",
+            "tie_word_embeddings", "max_position_embeddings"}
+    args = {rename.get(k, k): v for k, v in text.items() if k not in skip}
+    y = text["rope_scaling"]
+    args.update(original_seq_len=y["original_max_position_embeddings"], rope_factor=y["factor"],
+                beta_fast=y["beta_fast"], beta_slow=y["beta_slow"], dtype="fp8", expert_dtype="fp4",
+                max_position_embeddings=text["max_position_embeddings"])
+    a = ModelConfig.from_dict(args)
+    b = ModelConfig.from_file(V41_JSON)
+    assert a == b
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda t: t.pop("kv_source_layer_ids"), "kv_source_layer_ids"),
+    (lambda t: t.update(kv_source_layer_ids=[0, 2, 5]), "sliding-only"),
+    (lambda t: t.update(kv_source_layer_ids=[5]), "layer 2 .*no KV source"),
+    (lambda t: t.update(index_source_layer_ids=[4, 5, 7]), "layer 2 has no index source"),
+    (lambda t: t.update(candidate_source_layer_id=6), "candidate_source_layer_id 6"),
+    (lambda t: t.update(engram_num_embeddings=[3396]), "engram_num_embeddings"),
+    (lambda t: t.update(engram_layer_ids=[4, 1]), "engram_layer_ids"),
+    (lambda t: t.update(engram_head_dim=40), "engram_head_dim"),
+    (lambda t: t.update(num_hash_layers=2), "hash-routed"),
+    (lambda t: t.update(index_source_layer_ids="2,4"), "index_source_layer_ids"),
+])
+@pytest.mark.skipif(not os.path.exists(V41_JSON), reason="golden checkpoints not available")
+def test_v41_bad_fields(change, field):
+    raw = _v41_raw()
+    change(raw["text_config"])
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_dict(raw)
+
+
+def test_v41_flash_preset():
+    c = preset("v41-flash")
+    assert c.is_v41 and c.n_layers == 40 and c.dim == 5120
+    assert [c.kv_source_of(i) for i in (2, 7, 8, 19, 20, 39)] == [2, 2, 8, 14, 20, 20]
+    assert [c.index_source_of(i) for i in (3, 21, 24, 27, 39)] == [2, 20, 24, 24, 36]
+    assert c.engram.rows_per_token == 24 and c.dspark.n_layers == 3 and c.vision is not None
+    kinds = layer_kinds(c)
+    assert kinds[20].shared.index == "candidate" and kinds[24].shared.index == "restricted"
+    assert kinds[14].engram and kinds[14].shared.kv_source
+    plan = build_plan(c)
+    assert sum(s.n_layers for s in plan.segments) == 40
+    assert len({k for s in plan.segments for k in s.pattern}) <= 10
 
 
 # ------------------------------------------------------------------------------------------ odd values

@@ -40,7 +40,7 @@ def test_packed_kv_records_are_bit_identical(qfolder, dtype):
     np.testing.assert_array_equal(a.logits, b.logits)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     st = packed.init_state(1, 256)
-    assert st[-1][0]["window"].dtype == np.uint8
+    assert st["segments"][-1][0]["window"].dtype == np.uint8
     sizes = [state_bytes(m.config, m.plan, 1, 4096, m.dtype, m.numerics) for m in (flt, packed)]
     assert sizes[1] < sizes[0]
     print(f"{dtype}: state bytes for 1 x 4096 tokens: float cache {sizes[0]}, packed records {sizes[1]}")

@@ -37,14 +37,17 @@ def block(p: dict, experts: dict, st: dict, layer: jax.Array, X: jax.Array, chun
 
 def block_v41(p: dict, experts: dict, window: jax.Array, layer: jax.Array, sources: dict, row: jax.Array,
               X: jax.Array, pre_in: jax.Array, published: Published, engram_rows: tuple | None, chunk: Chunk, *,
-              config: ModelConfig, numerics: Numerics, kind: LayerKind, freqs: np.ndarray):
+              config: ModelConfig, numerics: Numerics, kind: LayerKind, freqs: np.ndarray, record: list | None = None):
     """One DeepSeek-V4.1 layer (model-spec.md §5.2): [Engram], then attention collapsed with the previous
     layer's FFN pre-mix `pre_in` [B, S, n] and the MoE collapsed with this layer's attention pre-mix.
+    `record` (a list) receives the streams after the Engram update (if any) and after the block.
 
     Returns (X, pre_ffn, window, sources, published)."""
     hc = dict(norm_eps=config.norm_eps, hc_eps=config.hc_eps, sinkhorn_iters=config.hc_sinkhorn_iters)
     if kind.engram:
         X = engram_update(X, p["engram"], *engram_rows, eps=config.norm_eps, numerics=numerics)
+        if record is not None:
+            record.append(X)
 
     pre_a, post, comb = hc_mixes(X, p["hc_attn_fn"], p["hc_attn_base"], p["hc_attn_scale"], **hc)
     h = rms_norm(hc_collapse(X, pre_in), p["attn_norm"], config.norm_eps)
@@ -55,4 +58,7 @@ def block_v41(p: dict, experts: dict, window: jax.Array, layer: jax.Array, sourc
     pre_f, post, comb = hc_mixes(X, p["hc_ffn_fn"], p["hc_ffn_base"], p["hc_ffn_scale"], **hc)
     h = rms_norm(hc_collapse(X, pre_a), p["ffn_norm"], config.norm_eps)
     y = moe(p["ffn"], experts, layer, h, chunk.tokens, config=config, numerics=numerics, hash_moe=False)
-    return hc_expand(y, post, comb, X), pre_f, window, sources, published
+    X = hc_expand(y, post, comb, X)
+    if record is not None:
+        record.append(X)
+    return X, pre_f, window, sources, published
