@@ -15,7 +15,6 @@ Encoders round to nearest, ties to even, and saturate at the format's maximum.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -29,21 +28,18 @@ E4M3_TRN2_MAX = 240.0
 E2M1_MAX = 6.0
 
 
+_POW2_MIN, _POW2_MAX = -150, 128
+# 2**e for e in [-150, 128]: 0 below float32's smallest subnormal (2**-149), inf above the largest finite power
+_POW2_TABLE = np.concatenate([[0.0], np.ldexp(1.0, np.arange(-149, 128)), [np.inf]]).astype(np.float32)
+
+
 def pow2(xp: Any, e: Any) -> Any:
-    """2**e as float32 for integer e: exact for e in [-149, 127], inf above (built from
-    multiplications by exact powers of two, no bitcast)."""
-    e = xp.asarray(e).astype(xp.int32)
-    half = e // 2                       # split so that every partial product stays a normal float32
-    out = xp.ones(e.shape, xp.float32)
-    with (np.errstate(over="ignore", under="ignore") if xp is np else contextlib.nullcontext()):
-        for part in (half, e - half):
-            mag = xp.abs(part)
-            neg = part < 0
-            for bit in range(7):        # |part| <= 127
-                on = ((mag >> bit) & 1) == 1
-                f = xp.where(neg, xp.float32(2.0 ** -(1 << bit)), xp.float32(2.0 ** (1 << bit)))
-                out = out * xp.where(on, f, xp.float32(1.0))
-    return out
+    """2**e as float32 for integer e: exact for e in [-149, 127], 0 below, inf above.
+
+    A lookup in a constant table of the 279 powers (no bitcast, one gather): the repeated-multiplication
+    form costs ~90 ops per call and made quantized graphs several times larger."""
+    e = xp.clip(xp.asarray(e).astype(xp.int32), _POW2_MIN, _POW2_MAX) - _POW2_MIN
+    return xp.asarray(_POW2_TABLE)[e]
 
 
 def floor_log2(xp: Any, v: Any) -> Any:
