@@ -27,7 +27,8 @@ def row_cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def teacher_forced_logits(model: Model, prompt, forced, chunk: int = 64, max_len: int = 512) -> np.ndarray:
     """Cached path: chunked prefill of `prompt` (logits at every prompt position), then one decode step
     per forced token (the reference's tokens). Returns fp32 [len(prompt) + len(forced), V]: row t is the
-    prediction after token t of prompt + forced. Fixed chunk and max_len keep the compiled set small."""
+    prediction after token t of prompt + forced. Every chunk is padded to `chunk` tokens and the state
+    sized for `max_len`, so all prompts share two compiled programs."""
     prompt = np.asarray(prompt, np.int32)
     forced = np.asarray(forced, np.int32)
     max_len = max(max_len, length_bucket(len(prompt) + len(forced) + 1, 256))
@@ -37,7 +38,7 @@ def teacher_forced_logits(model: Model, prompt, forced, chunk: int = 64, max_len
     prefill_step = model.step_fn(all_logits=True)
     for start in range(0, len(prompt), chunk):
         part = prompt[start:start + chunk]
-        S = length_bucket(len(part))
+        S = chunk
         toks = np.zeros((1, S), np.int32)
         pos = np.full((1, S), -1, np.int32)
         toks[0, :len(part)], pos[0, :len(part)] = part, np.arange(start, start + len(part))
