@@ -506,6 +506,9 @@ def is_converted(folder: str) -> bool:
 
 def save_converted(folder: str, config: ModelConfig, params: dict, dtype: str) -> None:
     """Save the converted param tree with Orbax, plus config.json, so `jdeep.load` skips conversion."""
+    if config.engram is not None:
+        raise ValueError("models with Engram layers (DeepSeek-V4.1) cannot be converted yet: their tables stay "
+                         "memory-mapped in the original safetensors; load the original checkpoint folder")
     import orbax.checkpoint as ocp
 
     folder = os.path.abspath(folder)

@@ -72,7 +72,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     import jdeep
     from jdeep.checkpoint import save_converted
+    from jdeep.config import ModelConfig
 
+    if ModelConfig.from_file(args.model).engram is not None:
+        raise SystemExit("jdeep convert: models with Engram layers (DeepSeek-V4.1) cannot be converted yet; "
+                         "their tables stay memory-mapped in the original safetensors — use the original folder")
     model = jdeep.load(args.model, dtype=args.dtype)
     save_converted(args.out, model.config, model.params, args.dtype)
     print(f"wrote {args.out}")
@@ -106,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="config summary, parameter bytes by dtype, state bytes per token")
     src = i.add_mutually_exclusive_group(required=True)
     src.add_argument("--model")
-    src.add_argument("--preset", choices=["v4-flash", "v4-pro"])
+    src.add_argument("--preset", choices=["v4-flash", "v4-pro", "v41-flash"])
     i.add_argument("--dtype", **dtype)
     i.set_defaults(fn=cmd_info)
 

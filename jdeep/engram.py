@@ -461,7 +461,9 @@ class EngramHost:
         """Fresh per-sequence n-gram histories for `batch` sequence slots."""
         return NgramHistory(self.layout, self.token_map, batch)
 
-    def rows(self, history: NgramHistory, tokens: np.ndarray, n_valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """tokens int [B, S] with n_valid [B] real tokens at the front of each row -> (codes uint8
-        [n_eng, B, S, R, hd], scales uint8 [n_eng, B, S, R, hd/32]); advances the histories."""
-        return self.tables.gather(history.ids_for_chunk(tokens, n_valid))
+    def rows(self, history: NgramHistory, tokens: np.ndarray, n_valid: np.ndarray,
+             dead: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """tokens int [B, S] with n_valid [B] real tokens at the front of each row (dead bool [B, S]: image
+        tokens) -> (codes uint8 [n_eng, B, S, R, hd], scales uint8 [n_eng, B, S, R, hd/32]); advances the
+        histories."""
+        return self.tables.gather(history.ids_for_chunk(tokens, n_valid, dead))

@@ -49,6 +49,11 @@ def summary(config: ModelConfig, dtype: Any = np.float32) -> str:
     pb = param_bytes_by_dtype(config, dtype)
     lines.append("param bytes     " + ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in pb.items())
                  + f" (total {sum(pb.values()) / 2**30:.3f} GiB)")
+    if config.engram is not None:
+        e = config.engram
+        host = sum(r * (e.head_dim + e.head_dim // 32) for r in e.num_embeddings)
+        lines.append(f"engram tables   {host / 2**30:.3f} GiB on the host (memory-mapped, fp8 rows + e8m0 scales); "
+                     f"{e.rows_per_token} rows x {e.head_dim + e.head_dim // 32} B gathered per token and Engram layer")
     name = np.dtype(dtype).name
     lines.append(f"state bytes     {kv_bytes_per_token(config, dtype):.0f} B/token + "
                  f"{state_bytes(config, plan, 1, 0, dtype) / 2**20:.2f} MiB fixed per sequence ({name} caches)")

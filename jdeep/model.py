@@ -25,7 +25,7 @@ from .layers.linear import linear_f32
 from .layers.mhc import hc_collapse, hc_head_collapse
 from .layers.norm import rms_norm
 from .layers.rope import inv_freq
-from .layers.shared_attention import Published
+from .layers.shared_attention import empty_published
 from .numerics import Numerics
 from .plan import LayerPlan, Segment
 from .state import init_state, source_index
@@ -106,13 +106,7 @@ def _layers_v41(params: dict, state: dict, X: jax.Array, chunk, engram: tuple | 
     B, S = chunk.tokens.shape
     n = config.hc_mult
     pre = jnp.broadcast_to(jnp.eye(n, dtype=jnp.float32)[0], (B, S, n))     # layer 0 collapses onto stream 0
-    sh = config.sharing
-    n_cand = 1
-    if sh.candidate_source is not None:
-        key, _ = source_index(config, sh.candidate_source)
-        n_cand = state["sources"][key]["ckv"].shape[2]
-    K = config.index_topk
-    published = Published(jnp.zeros((B, S, K), jnp.int32), jnp.zeros((B, S, K), bool), jnp.zeros((B, S, n_cand), bool))
+    published = empty_published(config, B, S)
     sources = state["sources"]
     new_segments = []
     recorded = {"block_out": [None] * config.n_layers, "engram_out": []}
@@ -211,10 +205,13 @@ class Model:
 
     def engram_inputs(self, history: Any, tokens: np.ndarray, positions: np.ndarray) -> tuple | None:
         """The `engram` argument of a step over tokens / positions int [B, S] (positions -1 = padding after
-        the real tokens): the table rows gathered on the host; advances `history`. None without Engram."""
+        the real tokens): the table rows gathered on the host; advances `history`. None without Engram.
+        Image tokens (config.image_token_id) are dead for Engram: they block the n-gram look-back."""
         if self.engram is None:
             return None
-        codes, scales = self.engram.rows(history, np.asarray(tokens), np.sum(np.asarray(positions) >= 0, axis=1))
+        tokens = np.asarray(tokens)
+        dead = None if self.config.image_token_id is None else tokens == self.config.image_token_id
+        codes, scales = self.engram.rows(history, tokens, np.sum(np.asarray(positions) >= 0, axis=1), dead)
         return jnp.asarray(codes), jnp.asarray(scales)
 
     def init_state(self, batch: int, max_len: int) -> list:

@@ -45,7 +45,8 @@ def block_v41(p: dict, experts: dict, window: jax.Array, layer: jax.Array, sourc
     Returns (X, pre_ffn, window, sources, published)."""
     hc = dict(norm_eps=config.norm_eps, hc_eps=config.hc_eps, sinkhorn_iters=config.hc_sinkhorn_iters)
     if kind.engram:
-        X = engram_update(X, p["engram"], *engram_rows, eps=config.norm_eps, numerics=numerics)
+        dead = None if config.image_token_id is None else chunk.tokens == config.image_token_id
+        X = engram_update(X, p["engram"], *engram_rows, eps=config.norm_eps, numerics=numerics, dead=dead)
         if record is not None:
             record.append(X)
 

@@ -22,12 +22,13 @@ def decode_rows(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
 
 
 def engram_update(X: jax.Array, p: dict, codes: jax.Array, scales: jax.Array, *, eps: float,
-                  numerics: Numerics) -> jax.Array:
+                  numerics: Numerics, dead: jax.Array | None = None) -> jax.Array:
     """X [B, S, n, d] streams; codes [B, S, R, hd] / scales [B, S, R, hd/32] uint8 (R = rows per token).
 
     kv = W_ekv · flatten(rows) splits into n keys and one shared value; stream i is gated by
     σ(signed sqrt of <rms(X_i) q_w[i], rms(key_i) k_w[i]> / sqrt(d)) and gets gate_i · value.
-    p: wkv (fp8 [(n+1)d, R*hd]), q_weight / k_weight [n, d]. Returns X's dtype.
+    p: wkv (fp8 [(n+1)d, R*hd]), q_weight / k_weight [n, d]. dead bool [B, S]: image tokens (gate 0).
+    Returns X's dtype.
     """
     B, S, n, d = X.shape
     rows = decode_rows(codes, scales, X.dtype).reshape(B, S, -1)
@@ -40,4 +41,6 @@ def engram_update(X: jax.Array, p: dict, codes: jax.Array, scales: jax.Array, *,
     qw, kw = p["q_weight"].astype(jnp.float32), p["k_weight"].astype(jnp.float32)
     dot = jnp.sum((xn * qw) * (kn * kw), axis=-1) * d ** -0.5                # [B, S, n]
     gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)), dot))
+    if dead is not None:
+        gate = jnp.where(dead[..., None], 0.0, gate)
     return (x + gate[..., None] * value[:, :, None, :]).astype(X.dtype)

@@ -17,7 +17,8 @@ __all__ = ["route", "moe"]
 def route(x: jax.Array, tokens: jax.Array, p: dict, *, config: ModelConfig, hash_moe: bool) -> tuple[jax.Array, jax.Array]:
     """x [T, d], tokens int32 [T] -> (expert ids int32 [T, k], weights fp32 [T, k]).
 
-    p: weight [E, d], and bias [E] (top-k steering) or tid2eid int32 [V, k] (hash routing).
+    p: weight [E, d], and bias [E] (top-k steering; V4.1 also bias_vl [E] for image tokens) or tid2eid
+    int32 [V, k] (hash routing).
     """
     logits = linear_f32(x, p["weight"])
     if config.is_v41:
@@ -27,7 +28,10 @@ def route(x: jax.Array, tokens: jax.Array, p: dict, *, config: ModelConfig, hash
     if hash_moe:
         idx = p["tid2eid"][tokens]
     else:
-        _, idx = jax.lax.top_k(scores + p["bias"], k)
+        bias = p["bias"]
+        if "bias_vl" in p and config.image_token_id is not None:   # V4.1: image tokens route with bias_vl
+            bias = jnp.where((tokens == config.image_token_id)[:, None], p["bias_vl"], bias)
+        _, idx = jax.lax.top_k(scores + bias, k)
     w = jnp.take_along_axis(scores, idx, axis=-1)
     denom = jnp.sum(w, axis=-1, keepdims=True)
     if config.is_v41:

@@ -30,7 +30,8 @@ from .linear import dense, linear, linear_f32
 from .norm import rms_norm
 from .rope import apply_rope
 
-__all__ = ["Published", "empty_published", "shared_attention", "compress_source", "candidate_mask"]
+__all__ = ["Published", "empty_published", "shared_attention", "compress_source", "candidate_blocks",
+           "candidate_mask"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -39,22 +40,22 @@ class Published(NamedTuple):
     """Per-forward values one layer hands to the next ones.
 
     idx int32 [B, S, K] / selected bool [B, S, K]: the latest index source's top-k (K = index_topk);
-    candidates bool [B, S, Tc+1]: the candidate source's mask over its KV source's entries (or a [B, S, 1]
-    placeholder when the model has no candidate source).
+    blocks int32 [B, S, Kb] / blocks_kept bool [B, S, Kb]: the candidate source's kept blocks
+    (Kb = candidate_topk_blocks; the per-entry mask is rebuilt where it is applied, so the carry stays
+    small at long context).
     """
 
     idx: jax.Array
     selected: jax.Array
-    candidates: jax.Array
+    blocks: jax.Array
+    blocks_kept: jax.Array
 
 
-def empty_published(config: ModelConfig, B: int, S: int, max_len: int) -> Published:
-    sh = config.sharing
-    n_cand = 1
-    if sh is not None and sh.candidate_source is not None:
-        n_cand = max_len // config.attention_kinds[sh.candidate_source].ratio + 1
+def empty_published(config: ModelConfig, B: int, S: int) -> Published:
     K = config.index_topk
-    return Published(jnp.zeros((B, S, K), jnp.int32), jnp.zeros((B, S, K), bool), jnp.zeros((B, S, n_cand), bool))
+    Kb = config.sharing.candidate_topk_blocks if config.sharing.candidate_source is not None else 1
+    return Published(jnp.zeros((B, S, K), jnp.int32), jnp.zeros((B, S, K), bool),
+                     jnp.zeros((B, S, Kb), jnp.int32), jnp.zeros((B, S, Kb), bool))
 
 
 def compress_source(x: jax.Array, p: dict, src: dict, row: jax.Array, chunk: Chunk, *, ratio: int,
@@ -92,10 +93,11 @@ def compress_source(x: jax.Array, p: dict, src: dict, row: jax.Array, chunk: Chu
     return {**src, "ckv": ckv, "ikeys": ikeys}
 
 
-def candidate_mask(score: jax.Array, visible_count: jax.Array, *, block: int, top_blocks: int) -> jax.Array:
+def candidate_blocks(score: jax.Array, visible_count: jax.Array, *, block: int, top_blocks: int
+                     ) -> tuple[jax.Array, jax.Array]:
     """Two-level preselection (§5.5): score [B, S, T] (-inf where not visible) max-pooled over blocks of
-    `block` entries; the block of the newest visible entry pinned to +inf; the best `top_blocks` blocks with
-    a finite pooled score kept. Returns bool [B, S, T]."""
+    `block` entries; the block of the newest visible entry pinned to +inf; the best `top_blocks` blocks
+    with a finite pooled score kept. Returns (block ids int32 [B, S, top_blocks], kept bool [...])."""
     B, S, T = score.shape
     nb = -(-T // block)
     padded = jnp.pad(score, ((0, 0), (0, 0), (0, nb * block - T)), constant_values=-jnp.inf)
@@ -103,10 +105,20 @@ def candidate_mask(score: jax.Array, visible_count: jax.Array, *, block: int, to
     newest = jnp.where(visible_count > 0, (visible_count - 1) // block, -1)
     pooled = jnp.where(jnp.arange(nb, dtype=jnp.int32) == newest[..., None], jnp.inf, pooled)
     vals, bidx = jax.lax.top_k(pooled, min(top_blocks, nb))
+    kept = vals > -jnp.inf
+    pad = top_blocks - bidx.shape[-1]
+    return (jnp.pad(bidx.astype(jnp.int32), ((0, 0), (0, 0), (0, pad))),
+            jnp.pad(kept, ((0, 0), (0, 0), (0, pad))))
+
+
+def candidate_mask(blocks: jax.Array, kept: jax.Array, T: int, block: int) -> jax.Array:
+    """Kept candidate blocks [B, S, Kb] -> bool mask over T entries [B, S, T]."""
+    B, S, _ = blocks.shape
+    nb = -(-T // block)
     b = jnp.arange(B)[:, None, None]
     s = jnp.arange(S)[None, :, None]
-    kept = jnp.zeros((B, S, nb), bool).at[b, s, bidx].set(vals > -jnp.inf)
-    return jnp.repeat(kept, block, axis=-1)[..., :T]
+    mask = jnp.zeros((B, S, nb), bool).at[b, s, jnp.clip(blocks, 0, nb - 1)].max(kept)
+    return jnp.repeat(mask, block, axis=-1)[..., :T]
 
 
 def _index_select(x: jax.Array, q_latent: jax.Array, p: dict, keys: jax.Array, chunk: Chunk, published: Published,
@@ -124,13 +136,13 @@ def _index_select(x: jax.Array, q_latent: jax.Array, p: dict, keys: jax.Array, c
     visible_count = (chunk.positions + 1) // ratio                            # [B, S]
     T = keys.shape[1]
     score = jnp.where(jnp.arange(T, dtype=jnp.int32) < visible_count[..., None], score, -jnp.inf)
-    candidates = published.candidates
+    sh = config.sharing
+    blocks, kept = published.blocks, published.blocks_kept
     if role == CANDIDATE:
-        sh = config.sharing
-        candidates = candidate_mask(score, visible_count, block=sh.candidate_block_size,
-                                    top_blocks=sh.candidate_topk_blocks)
+        blocks, kept = candidate_blocks(score, visible_count, block=sh.candidate_block_size,
+                                        top_blocks=sh.candidate_topk_blocks)
     elif role == RESTRICTED:
-        score = jnp.where(published.candidates, score, -jnp.inf)
+        score = jnp.where(candidate_mask(blocks, kept, T, sh.candidate_block_size), score, -jnp.inf)
     vals, idx = jax.lax.top_k(score, min(K, T))
     selected = vals > -jnp.inf
     # DeepSeek re-sorts the selection ascending (summation order in the attention)
@@ -140,7 +152,7 @@ def _index_select(x: jax.Array, q_latent: jax.Array, p: dict, keys: jax.Array, c
     if K > T:
         idx = jnp.pad(idx, ((0, 0), (0, 0), (0, K - T)))
         selected = jnp.pad(selected, ((0, 0), (0, 0), (0, K - T)))
-    return Published(idx, selected, candidates)
+    return Published(idx, selected, blocks, kept)
 
 
 def shared_attention(p: dict, window: jax.Array, layer: jax.Array, sources: dict, row: jax.Array, x: jax.Array,
