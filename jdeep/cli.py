@@ -18,13 +18,14 @@ def _parse_ids(text: str) -> list[int]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     import jdeep
-    from jdeep.random_weights import TINY_CONFIG, random_checkpoint
+    from jdeep.random_weights import TINY_CONFIG, random_checkpoint, tiny_v41_config
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        random_checkpoint(TINY_CONFIG, tmp, seed=args.seed)
+        random_checkpoint(TINY_CONFIG if args.arch == "v4" else tiny_v41_config(), tmp, seed=args.seed)
         model = jdeep.load(tmp, dtype=args.dtype)
-        print(f"built and loaded a seeded random tiny DeepSeek-V4 ({model.config.n_layers} layers, "
+        name = "DeepSeek-V4" if args.arch == "v4" else "DeepSeek-V4.1 (fp8/fp4, Engram)"
+        print(f"built and loaded a seeded random tiny {name} ({model.config.n_layers} layers, "
               f"{len(model.plan.segments)} scan segments) in {time.perf_counter() - t0:.1f} s")
         prompts = [[0, 17, 42, 99], [0, 5, 9, 230, 77, 301, 12, 8, 401, 66]]
         t0 = time.perf_counter()
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=16)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", **dtype)
+    d.add_argument("--arch", choices=["v4", "v41"], default="v4", help="the tiny model's architecture")
     d.set_defaults(fn=cmd_demo)
 
     g = sub.add_parser("generate", help="greedy or sampled continuation of one prompt")

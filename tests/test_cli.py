@@ -41,3 +41,24 @@ def test_info_reports_flash_sizes(capsys):
 def test_missing_model_folder_is_a_clear_error(tmp_path, capsys):
     assert main(["info", "--model", str(tmp_path / "nope")]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_info_reports_v41_flash_sizes(capsys):
+    assert main(["info", "--preset", "v41-flash", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek_v41" in out and "40 (" in out and "engram tables" in out
+    # bf16 logical caches at the KV sources: 3*(1024+256)/2 + (1024+256) = 3200 B/token (model-spec.md §6.5)
+    assert "3200 B/token" in out
+
+
+def test_convert_refuses_engram_models(tmp_path):
+    from jdeep.random_weights import tiny_v41_config
+
+    random_checkpoint(tiny_v41_config(), str(tmp_path / "m"), seed=1)
+    try:
+        main(["convert", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "c")])
+    except SystemExit as e:
+        assert "Engram" in str(e)
+    else:
+        raise AssertionError("converting an Engram model must fail with a message")
+    assert not (tmp_path / "c").exists()
