@@ -107,9 +107,17 @@ class SafetensorsFile:
                 done += n
         return out.reshape(e.shape)
 
-    def view(self, name: str) -> np.ndarray:
+    def view(self, name: str, random_access: bool = False) -> np.ndarray:
+        """Read-only memory-mapped view of one tensor. `random_access`: tell the kernel the region is read at
+        scattered rows (MADV_RANDOM), so a page fault reads that page, not a read-ahead window of MiBs around
+        it (for Engram tables gathered a few rows at a time)."""
         e, dt, count = self._checked(name)
-        arr = np.frombuffer(self._buffer(), dtype=dt, count=count, offset=self._data_start + e.start)
+        buf = self._buffer()
+        start = self._data_start + e.start
+        if random_access and hasattr(mmap, "MADV_RANDOM") and e.end > e.start:
+            page = mmap.PAGESIZE
+            buf.madvise(mmap.MADV_RANDOM, start - start % page, self._data_start + e.end - (start - start % page))
+        arr = np.frombuffer(buf, dtype=dt, count=count, offset=start)
         return arr.reshape(e.shape)
 
     def close(self) -> None:

@@ -9,7 +9,6 @@ layers, `R = (N - 1) * n_heads` row ids per token and layer, ordered order-major
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -315,32 +314,6 @@ def _find_view(source: Any, name: str) -> tuple[Any, Any]:
     raise ValueError(f"Engram tensor {name!r} is missing from the checkpoint {source.folder}")
 
 
-def _backing_mmap(arr: np.ndarray) -> mmap.mmap | None:
-    """The mmap.mmap under a view from SafetensorsFile.view (ndarray -> memoryview -> mmap), or None."""
-    obj: Any = arr
-    while not isinstance(obj, mmap.mmap):
-        if isinstance(obj, memoryview):
-            obj = obj.obj
-        elif isinstance(obj, np.ndarray) and obj.base is not None:
-            obj = obj.base
-        else:
-            return None
-    return obj
-
-
-def _advise_random(arr: np.ndarray) -> None:
-    """madvise(MADV_RANDOM) over a mapped table: a fault then reads only its own page. Without it the
-    kernel's read-around pulls the device's readahead window (often MiBs) per gathered row into the
-    page cache, and fault-around maps up to 64 KiB of it into the resident set."""
-    mm = _backing_mmap(arr)
-    if mm is None or not hasattr(mmap, "MADV_RANDOM") or arr.nbytes == 0:
-        return
-    page = mmap.PAGESIZE
-    offset = arr.ctypes.data - np.frombuffer(mm, np.uint8, count=1).ctypes.data
-    start = offset - offset % page
-    mm.madvise(mmap.MADV_RANDOM, start, min(len(mm), offset + arr.nbytes) - start)
-
-
 class EngramTables:
     """The Engram tables `layers.{L}.engram.embed.weight` (F8_E4M3 [rows, head_dim]) and `.scale`
     (F8_E8M0 [rows, head_dim/32]; U8 accepted for either) of each Engram layer, kept on the host as
@@ -383,10 +356,7 @@ class EngramTables:
         want = [w.shape[0], w.shape[1] // SCALE_BLOCK]
         if s.dtype not in ("F8_E8M0", "U8") or list(s.shape) != want:
             raise ValueError(f"tensor {sname!r} must be F8_E8M0 {want}, got {s.dtype} {list(s.shape)}")
-        codes, scales = wfile.view(wname), sfile.view(sname)
-        _advise_random(codes)
-        _advise_random(scales)
-        return codes, scales
+        return wfile.view(wname, random_access=True), sfile.view(sname, random_access=True)
 
     @property
     def head_dim(self) -> int:
