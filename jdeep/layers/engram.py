@@ -40,7 +40,8 @@ def engram_update(X: jax.Array, p: dict, codes: jax.Array, scales: jax.Array, *,
     kn = keys * jax.lax.rsqrt(jnp.mean(keys * keys, axis=-1, keepdims=True) + eps)
     qw, kw = p["q_weight"].astype(jnp.float32), p["k_weight"].astype(jnp.float32)
     dot = jnp.sum((xn * qw) * (kn * kw), axis=-1) * d ** -0.5                # [B, S, n]
-    gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)), dot))
+    root = jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6))
+    gate = jax.nn.sigmoid(jnp.where(dot < 0, -root, root))   # copysign without its sign-bit bitcast (Neuron)
     if dead is not None:
         gate = jnp.where(dead[..., None], 0.0, gate)
     return (x + gate[..., None] * value[:, :, None, :]).astype(X.dtype)

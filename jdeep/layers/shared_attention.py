@@ -145,8 +145,9 @@ def _index_select(x: jax.Array, q_latent: jax.Array, p: dict, keys: jax.Array, c
         score = jnp.where(candidate_mask(blocks, kept, T, sh.candidate_block_size), score, -jnp.inf)
     vals, idx = jax.lax.top_k(score, min(K, T))
     selected = vals > -jnp.inf
-    # DeepSeek re-sorts the selection ascending (summation order in the attention)
-    order = jnp.argsort(jnp.where(selected, idx, T), axis=-1)
+    # DeepSeek re-sorts the selection ascending (summation order in the attention); a float top-k of -idx
+    # does it without a sort op (exact: entry ids < 2^24)
+    _, order = jax.lax.top_k(jnp.where(selected, -idx.astype(jnp.float32), -jnp.inf), idx.shape[-1])
     idx = jnp.take_along_axis(idx, order, axis=-1).astype(jnp.int32)
     selected = jnp.take_along_axis(selected, order, axis=-1)
     if K > T:
