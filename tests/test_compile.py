@@ -98,3 +98,54 @@ def test_repeated_generate_does_not_recompile(tiny_model):
     assert _decode_loop._cache_size() == before
     assert tiny_model.step_fn(all_logits=False)._cache_size() == step_before
     assert out.tokens.shape == (2, 4)
+
+
+# ------------------------------------------------------------------------------------------ V4.1
+def _v41_config(pairs: int) -> ModelConfig:
+    """tiny_v41_config's first 5 layers (sliding, Engram, ratio-2 source, reuse, own index + Engram), then
+    `pairs` x (reuse, own index) at ratio 2, a ratio-1 candidate source, `pairs` x (reuse, restricted index)."""
+    from jdeep.random_weights import tiny_v41_config
+
+    raw = tiny_v41_config()
+    r1 = 5 + 2 * pairs
+    n = r1 + 1 + 2 * pairs
+    raw["text_config"].update(
+        num_hidden_layers=n, compress_ratios=[0, 0] + [2] * (r1 - 2) + [1] * (n - r1), kv_source_layer_ids=[2, r1],
+        index_source_layer_ids=[2, 4] + list(range(6, r1, 2)) + [r1] + list(range(r1 + 2, n, 2)),
+        candidate_source_layer_id=r1)
+    return ModelConfig.from_dict(raw)
+
+
+def _lower_v41_decode(config: ModelConfig, batch: int = 2, max_len: int = 256):
+    plan = build_plan(config)
+    params = abstract_params(config, plan, jnp.float32)
+    state = jax.eval_shape(lambda: init_state(config, plan, batch, max_len, jnp.float32))
+    tok = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    e = config.engram
+    rows = (len(e.layer_ids), batch, 1, e.rows_per_token)
+    engram = (jax.ShapeDtypeStruct(rows + (e.head_dim,), jnp.uint8),
+              jax.ShapeDtypeStruct(rows + (e.head_dim // 32,), jnp.uint8))
+    from jdeep.numerics import Numerics
+
+    fn = jax.jit(functools.partial(model_step, config=config, plan=plan, numerics=Numerics.for_config(config)),
+                 donate_argnums=(1,))
+    return fn.lower(params, state, tok, tok, engram), state
+
+
+def test_v41_decode_program_size_independent_of_depth():
+    small, big = _v41_config(2), _v41_config(12)
+    assert big.n_layers >= 3 * small.n_layers
+    assert [len(s.pattern) for s in build_plan(small).segments] == [len(s.pattern) for s in build_plan(big).segments]
+    (lo_small, _), (lo_big, _) = _lower_v41_decode(small), _lower_v41_decode(big)
+    ops_small, ops_big = _count_stablehlo_ops(lo_small.as_text()), _count_stablehlo_ops(lo_big.as_text())
+    assert ops_big <= 1.05 * ops_small, (ops_small, ops_big)
+
+
+def test_v41_decode_program_is_neuron_shaped():
+    """Donated state (only owned caches), no sort / conditional / bitcast / fp8 types / int64 tensors."""
+    lowered, state = _lower_v41_decode(_v41_config(2))
+    text = lowered.as_text()
+    main = text[text.index("func.func public @main"):].split("\n", 1)[0]
+    assert main.count("tf.aliasing_output") == len(jax.tree_util.tree_leaves(state))
+    for banned in ("stablehlo.sort", "stablehlo.case", "stablehlo.if", "bitcast_convert", "f8E", "xi64>"):
+        assert banned not in text, banned
