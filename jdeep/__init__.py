@@ -27,8 +27,9 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     quantized but runs activations, KV and indexer in float (the transformers numerics).
     fp8_max: 448 (OCP e4m3fn, DeepSeek's) or 240 / 224 for Trainium2's e4m3: activations and KV are
     quantized to that range and checkpoint fp8 weights are rescaled into it at load (trn2_rescale).
-    packed_kv: keep window and compressed KV as uint8 records (fp8 codes, rope bytes, ue8m0 exponents)
-    instead of float rows; needs quantize_activations (the KV QAT makes the records exact).
+    packed_kv: keep window and compressed KV as uint8 records (V4: fp8 codes, rope bytes, ue8m0 exponents;
+    V4.1: fp8 window entries, fp4 compressed KV with e4m3 scales, fp4 index keys) instead of float rows;
+    needs quantize_activations (the KV QAT makes the records exact).
     """
     import jax
     import jax.numpy as jnp

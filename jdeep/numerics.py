@@ -38,8 +38,6 @@ class Numerics:
         """Defaults: DeepSeek's numerics for a quantized checkpoint, plain float otherwise."""
         dense_fmt, _, block = weight_formats(config)
         quantized = dense_fmt != "float"
-        if packed_kv and config.is_v41:
-            raise ValueError("packed_kv is not supported for DeepSeek-V4.1 yet (its KV is simulated in float caches)")
         if quantize_activations is None:
             quantize_activations = quantized
         if fp8_max not in (E4M3FN_MAX, E4M3_TRN2_MAX, 224.0):

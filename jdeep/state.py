@@ -20,7 +20,8 @@ DeepSeek-V4.1 layers own only their window; the compressed caches live with the 
 §8.2), stacked per compress ratio m over that ratio's sources (`source_index` gives a layer's row):
 
     sources["r{m}"]: ckv [n_src, B, Tc+1, D] act dtype (fp4-simulated entries), ikeys [n_src, B, Tc+1, DI],
-                     and for m > 1 cbuf_kv / cbuf_score [n_src, B, m+1, D] fp32 (the compressor ring)
+                     and for m > 1 cbuf_kv / cbuf_score [n_src, B, m+1, D] fp32 (the compressor ring);
+                     with packed_kv the window, ckv and ikeys rows are uint8 records (kv_record_v41.py)
 
 No sequence length is stored: the positions passed with each chunk say where every sequence is.
 """
@@ -35,6 +36,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .kernels.kv_record import record_bytes
+from .kernels.kv_record_v41 import ckv_record_bytes, ikey_record_bytes, window_record_bytes
 from .numerics import Numerics
 from .plan import LayerKind, LayerPlan
 
@@ -48,7 +50,8 @@ def slot_state_shapes(config: ModelConfig, kind: LayerKind, reps: int, batch: in
     D, W = config.head_dim, config.window_size
     kv_row, kv_dtype = (D, dtype)
     if numerics is not None and numerics.packed_kv:
-        kv_row = record_bytes(D, config.rope_head_dim, numerics.kv_block, np.dtype(dtype).itemsize)
+        kv_row = (window_record_bytes(D, numerics.kv_block) if config.is_v41 else
+                  record_bytes(D, config.rope_head_dim, numerics.kv_block, np.dtype(dtype).itemsize))
         kv_dtype = jnp.uint8
     shapes = {"window": ((reps, batch, W + 1, kv_row), kv_dtype)}
     m = kind.attn.ratio
@@ -75,18 +78,21 @@ def source_index(config: ModelConfig, layer: int) -> tuple[str, int]:
     return f"r{m}", same.index(src)
 
 
-def source_state_shapes(config: ModelConfig, batch: int, max_len: int, dtype: Any
+def source_state_shapes(config: ModelConfig, batch: int, max_len: int, dtype: Any, numerics: Numerics | None = None
                         ) -> dict[str, dict[str, tuple[tuple[int, ...], Any]]]:
-    """V4.1 shared compressed caches per compress ratio (empty for V4)."""
+    """V4.1 shared compressed caches per compress ratio (empty for V4); uint8 records with packed_kv."""
     if not config.is_v41:
         return {}
     D, DI = config.head_dim, config.index_head_dim
+    packed = numerics is not None and numerics.packed_kv
+    ckv = ((ckv_record_bytes(D, numerics.ckv_fp4_block), jnp.uint8) if packed else (D, dtype))
+    ikey = ((ikey_record_bytes(DI, numerics.fp4_block), jnp.uint8) if packed else (DI, dtype))
     out: dict[str, dict] = {}
     for s in config.sharing.kv_sources:
         m = config.attention_kinds[s].ratio
         n = sum(config.attention_kinds[k].ratio == m for k in config.sharing.kv_sources)
         tc = max_len // m
-        shapes = {"ckv": ((n, batch, tc + 1, D), dtype), "ikeys": ((n, batch, tc + 1, DI), dtype)}
+        shapes = {"ckv": ((n, batch, tc + 1, ckv[0]), ckv[1]), "ikeys": ((n, batch, tc + 1, ikey[0]), ikey[1])}
         if m > 1:
             shapes["cbuf_kv"] = ((n, batch, m + 1, D), jnp.float32)
             shapes["cbuf_score"] = ((n, batch, m + 1, D), jnp.float32)
@@ -111,7 +117,7 @@ def init_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, d
             slots.append({k: jnp.full(s, _fill(k), dt) for k, (s, dt) in shapes.items()})
         segments.append(slots)
     sources = {key: {k: jnp.full(s, _fill(k), dt) for k, (s, dt) in shapes.items()}
-               for key, shapes in source_state_shapes(config, batch, max_len, dtype).items()}
+               for key, shapes in source_state_shapes(config, batch, max_len, dtype, numerics).items()}
     return jax.device_put({"segments": segments, "sources": sources}, jax.devices()[0])
 
 
@@ -132,7 +138,7 @@ def state_bytes(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, 
         for kind in seg.pattern:
             for shape, dt in slot_state_shapes(config, kind, seg.reps, batch, max_len, dtype, numerics).values():
                 total += int(np.prod(shape)) * np.dtype(dt).itemsize
-    for shapes in source_state_shapes(config, batch, max_len, dtype).values():
+    for shapes in source_state_shapes(config, batch, max_len, dtype, numerics).values():
         for shape, dt in shapes.values():
             total += int(np.prod(shape)) * np.dtype(dt).itemsize
     return total

@@ -34,4 +34,4 @@ def registered() -> dict[str, tuple[str, ...]]:
     return {k: tuple(v) for k, v in _IMPLS.items()}
 
 
-from . import kv_record, quant, reference  # noqa: E402,F401  (register the reference ops)
+from . import kv_record, kv_record_v41, quant, reference  # noqa: E402,F401  (register the reference ops)

@@ -12,6 +12,7 @@ shared caches live in `state["sources"]` (see state.py) and are indexed by a tra
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -83,7 +84,10 @@ def compress_source(x: jax.Array, p: dict, src: dict, row: jax.Array, chunk: Chu
     entry_pos = g * m
     kv = apply_rope(latent, entry_pos, freqs)
     key = apply_rope(rms_norm(linear(latent, pi["wk"]), pi["k_norm"], eps), entry_pos, freqs)
-    if numerics.quantize_activations:
+    if numerics.packed_kv:     # records quantise the raw values: decoding gives the QAT'd ones exactly
+        kv = kernels.get("encode_ckv_v41")(kv, numerics.ckv_fp4_block)
+        key = kernels.get("encode_ikey_v41")(key, numerics.fp4_block)
+    elif numerics.quantize_activations:
         kv = fp4e4_fake_quant(kv, numerics.ckv_fp4_block)
         key = fp4_fake_quant(key, numerics.fp4_block)
     at = jnp.where(g_valid, g, tc)
@@ -171,11 +175,21 @@ def shared_attention(p: dict, window: jax.Array, layer: jax.Array, sources: dict
     q_latent = rms_norm(dense(x, p["wq_a"], numerics), p["q_norm"], eps)
     q = dense(q_latent, p["wq_b"], numerics).reshape(B, S, H, D)           # no per-head norm in V4.1
     q = apply_rope(q, pos[..., None], freqs)
-    kv = apply_rope(rms_norm(dense(x, p["wkv"], numerics), p["kv_norm"], eps), pos, freqs)
+    kv_raw = apply_rope(rms_norm(dense(x, p["wkv"], numerics), p["kv_norm"], eps), pos, freqs)
+    kv = kv_raw
     if numerics.quantize_activations:                                       # fp8 over all dims, rope included
-        kv = fp8_fake_quant(kv, numerics.kv_block, numerics.fp8_max)
+        kv = fp8_fake_quant(kv_raw, numerics.kv_block, numerics.fp8_max)
+    read = store = (lambda v: v)
+    ckv_read = ikey_read = (lambda v: v)
+    if numerics.packed_kv:
+        nx = numerics
+        read = functools.partial(kernels.get("decode_window_v41"), D=D, block=nx.kv_block, dtype=x.dtype)
+        store = functools.partial(kernels.get("encode_window_v41"), block=nx.kv_block, fp8_max=nx.fp8_max)
+        ckv_read = functools.partial(kernels.get("decode_ckv_v41"), D=D, block=nx.ckv_fp4_block, dtype=x.dtype)
+        ikey_read = functools.partial(kernels.get("decode_ikey_v41"), DI=config.index_head_dim, block=nx.fp4_block,
+                                      dtype=x.dtype)
 
-    ring, ring_visible = window_keys({"window": window}, layer, chunk, W, lambda r: r)
+    ring, ring_visible = window_keys({"window": window}, layer, chunk, W, read)
     t = pos[..., None]
     chunk_visible = (pos[:, None, :] <= t) & (pos[:, None, :] > t - W) & chunk.valid[:, None, :]
     sel_keys = sel_mask = None
@@ -189,16 +203,16 @@ def shared_attention(p: dict, window: jax.Array, layer: jax.Array, sources: dict
                                   ratio=m, freqs=freqs, config=config, numerics=numerics)
             sources = {**sources, key: src}
         if role.index != REUSE:
-            published = _index_select(x, q_latent, p["indexer"], src["ikeys"][row], chunk, published, role=role.index,
-                                      ratio=m, freqs=freqs, config=config, numerics=numerics)
-        entries = src["ckv"][row]                                            # [B, Tc+1, D]
+            published = _index_select(x, q_latent, p["indexer"], ikey_read(src["ikeys"][row]), chunk, published,
+                                      role=role.index, ratio=m, freqs=freqs, config=config, numerics=numerics)
+        entries = src["ckv"][row]                                            # [B, Tc+1, D | record]
         idx = jnp.clip(published.idx, 0, entries.shape[1] - 1)
-        sel_keys = jnp.take_along_axis(entries[:, None], idx[..., None], axis=2)   # [B, S, K, D]
+        sel_keys = ckv_read(jnp.take_along_axis(entries[:, None], idx[..., None], axis=2))   # [B, S, K, D]
         sel_mask = published.selected
 
     o = kernels.get("sparse_attention")(
         q, jnp.concatenate([ring.astype(kv.dtype), kv], axis=1), jnp.concatenate([ring_visible, chunk_visible], axis=2),
         sel_keys, sel_mask, p["attn_sink"], D ** -0.5)
-    window = write_window(window, layer, chunk, kv, W, lambda v: v)
+    window = write_window(window, layer, chunk, kv_raw if numerics.packed_kv else kv, W, store)
     y = output_projection(o, p, chunk, config=config, numerics=numerics, freqs=freqs, dtype=x.dtype)
     return y, window, sources, published
