@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-
 from .layers.block import block, block_v41
 from .layers.chunk import make_chunk
 from .layers.linear import linear_f32
