@@ -10,8 +10,10 @@ from .generate import GenerateOutput, forward, generate
 from .model import Model
 from .numerics import Numerics
 from .quantization import trn2_rescale
+from .serve.sampling import SamplingParams
 
-__all__ = ["load", "generate", "forward", "Model", "ModelConfig", "GenerateOutput", "ConfigError", "CheckpointError"]
+__all__ = ["load", "generate", "forward", "Model", "ModelConfig", "GenerateOutput", "SamplingParams", "ConfigError",
+           "CheckpointError"]
 __version__ = "0.1.0"
 
 

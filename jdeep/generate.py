@@ -3,15 +3,17 @@ forward. Shapes are bucketed (batch, chunk length, max length) so repeated calls
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .model import Model, model_step
+from .serve.sampling import SamplingParams, batch_params, sample
 
 __all__ = ["GenerateOutput", "generate", "forward", "prefill", "validate_prompts", "length_bucket"]
 
@@ -25,8 +27,9 @@ def length_bucket(n: int, minimum: int = MIN_BUCKET) -> int:
 
 @dataclass
 class GenerateOutput:
-    tokens: np.ndarray               # int32 [B, max_new_tokens]
-    logits: np.ndarray | None        # float32 [B, max_new_tokens, vocab]; row 0 = last prompt position
+    tokens: np.ndarray               # int32 [B, max_new_tokens]; -1 after a request ended (stop token / EOS kept)
+    logits: np.ndarray | None        # float32 [B, max_new_tokens, vocab]; row 0 = last prompt position; NaN after the end
+    lengths: np.ndarray | None = None  # int [B]: tokens generated per request
 
 
 def validate_prompts(model: Model, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -74,51 +77,74 @@ def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: in
     return last, state
 
 
-def _pick(logits: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
-    """Greedy (temperature 0, lowest index on ties) or Gumbel-max sampling; top_k avoids argmax's
-    variadic reduce (Neuron)."""
-    if temperature > 0:
-        logits = logits / temperature + jax.random.gumbel(key, logits.shape, jnp.float32)
-    return jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
+def _decode_block(params, state, engram, carry, lens, sb, stops, max_new, *, model_step_fn, n_steps, keep_logits):
+    """n_steps decode steps on the device. carry = (tok [B] last token, count [B] tokens generated so far,
+    done [B]); a done row feeds position -1 (no state writes) and emits -1. Returns (state, carry,
+    tokens [n_steps, B], logits [n_steps, B, V] | None)."""
+    def body(c, _):
+        state, (tok, count, done) = c
+        pos = jnp.where(done, -1, lens + count - 1)[:, None]           # position of the token being fed
+        logits, state = model_step_fn(params, state, jnp.maximum(tok, 0)[:, None], pos, engram)
+        nxt = jnp.where(done, -1, sample(logits, sb, count))
+        count = count + (~done).astype(jnp.int32)
+        done = done | jnp.any(nxt[:, None] == stops, axis=-1) | (count >= max_new)
+        out_logits = jnp.where((nxt < 0)[:, None], jnp.nan, logits) if keep_logits else None
+        return (state, (nxt, count, done)), (nxt, out_logits)
+
+    (state, carry), (toks, logits) = jax.lax.scan(body, (state, carry), None, length=n_steps)
+    return state, carry, toks, logits
 
 
-@functools.partial(jax.jit, static_argnames=("model_step_fn", "n_steps", "temperature", "keep_logits"),
-                   donate_argnums=(1,))
-def _decode_loop(params, state, first_logits, lens, key, *, model_step_fn, n_steps, temperature, keep_logits):
-    """Sample the first token from the prefill logits, then n_steps decode steps on device."""
-    key, sub = jax.random.split(key)
-    tok = _pick(first_logits, temperature, sub)
+_decode_block_jit = jax.jit(_decode_block, static_argnames=("model_step_fn", "n_steps", "keep_logits"),
+                            donate_argnums=(1,))
+_sample_jit = jax.jit(sample)
 
-    def body(carry, i):
-        state, tok, key = carry
-        pos = (lens + i)[:, None]
-        pos = jnp.where(lens[:, None] > 0, pos, -1)
-        logits, state = model_step_fn(params, state, tok[:, None], pos)
-        key, sub = jax.random.split(key)
-        nxt = _pick(logits, temperature, sub)
-        return (state, nxt, key), (nxt, logits if keep_logits else None)
 
-    (state, _, _), (toks, logits) = jax.lax.scan(body, (state, tok, key), jnp.arange(n_steps, dtype=jnp.int32))
-    toks = jnp.concatenate([tok[None], toks], axis=0).T
-    if keep_logits:
-        logits = jnp.concatenate([first_logits[None], logits], axis=0).transpose(1, 0, 2)
-    return toks, logits, state
+def _sampling_for(model: Model, n: int, sampling, max_new_tokens: int, temperature: float, seed: int
+                  ) -> list[SamplingParams]:
+    if sampling is None:
+        sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+        return [dataclasses.replace(sampling, seed=seed + i) for i in range(n)]
+    if isinstance(sampling, SamplingParams):
+        return [sampling if sampling.seed is None or n == 1 else dataclasses.replace(sampling, seed=sampling.seed + i)
+                for i in range(n)]
+    sampling = list(sampling)
+    if len(sampling) != n or not all(isinstance(p, SamplingParams) for p in sampling):
+        raise ValueError(f"sampling must be one SamplingParams or one per prompt ({n}), got {len(sampling)} items")
+    return sampling
 
 
 def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, temperature: float = 0.0,
-             return_logits: bool = False, seed: int = 0, prefill_chunk: int = 512) -> GenerateOutput:
-    """Generate `max_new_tokens` tokens after each prompt (a ragged batch of token-id lists).
+             return_logits: bool = False, seed: int = 0, prefill_chunk: int = 512,
+             sampling: SamplingParams | Sequence[SamplingParams] | None = None, ignore_eos: bool = False,
+             stream: Callable[[list[list[int]]], None] | None = None, stream_every: int = 16) -> GenerateOutput:
+    """Generate after each prompt of a ragged batch of token-id lists.
 
-    temperature 0 is greedy. The decode loop runs on the device with a fixed trip count.
+    sampling: one SamplingParams for every prompt or one per prompt (temperature, top-k, top-p, min-p,
+    seed, max_new_tokens, stop_token_ids); without it, `max_new_tokens`, `temperature` and `seed` apply
+    (prompt i seeded seed + i). A request ends at its max_new_tokens, at one of its stop tokens or at the
+    model's EOS (kept in the output; `ignore_eos` disables the EOS stop).
+    The decode loop runs on the device in blocks of `stream_every` steps with a fixed trip count and
+    per-sequence done masks; between blocks `stream(new_tokens)` (if given) receives each request's tokens
+    since the last call, and generation ends early once every request is done. Models with Engram layers
+    decode one step per block (their table rows are gathered on the host from the token just sampled).
     """
     prompts = validate_prompts(model, prompts)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not (isinstance(temperature, (int, float)) and np.isfinite(temperature) and temperature >= 0):
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and np.isfinite(temperature)
+                                             and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
-    longest = max(len(p) for p in prompts) + max_new_tokens
+    if stream_every < 1:
+        raise ValueError(f"stream_every must be positive, got {stream_every}")
+    V = model.config.vocab_size
+    params = [p.validate(V) for p in _sampling_for(model, len(prompts), sampling, max_new_tokens, temperature, seed)]
+    if any(p.stop for p in params):
+        raise ValueError("stop strings need a tokenizer: pass stop_token_ids for token prompts")
+    n_new = max(p.max_new_tokens for p in params)
+    longest = max(len(pr) + p.max_new_tokens for pr, p in zip(prompts, params))
     limit = model.config.max_position_embeddings
     if longest > limit:
         raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds max_position_embeddings={limit}")
@@ -128,43 +154,55 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     state = model.init_state(Bb, max_len)
     history = model.new_history(Bb)
     first, state = prefill(model, state, prompts, prefill_chunk, history)
+
+    eos = () if ignore_eos or model.config.eos_token_id is None else (model.config.eos_token_id,)
+    stop_lists = [tuple(dict.fromkeys(tuple(p.stop_token_ids) + eos)) for p in params]
+    width = max(1, max(len(s) for s in stop_lists))
+    stops = np.full((Bb, width), -1, np.int32)
+    for b, st in enumerate(stop_lists):
+        stops[b, :len(st)] = st
+    stops = jnp.asarray(stops)
+    sb = batch_params(params, Bb, default_seed=seed)
+    max_new = jnp.asarray([p.max_new_tokens for p in params] + [1] * (Bb - B), jnp.int32)
     lens = jnp.asarray(np.array([len(p) for p in prompts] + [0] * (Bb - B), np.int32))
-    if model.engram is not None:
-        toks, logits = _host_decode_loop(model, state, history, first, lens, jax.random.PRNGKey(seed),
-                                         n_steps=max_new_tokens - 1, temperature=float(temperature),
-                                         keep_logits=return_logits)
-        return GenerateOutput(toks[:B], logits[:B] if return_logits else None)
-    step = functools.partial(model_step, config=model.config, plan=model.plan, numerics=model.numerics,
-                             all_logits=False)
-    toks, logits, _ = _decode_loop(model.params, state, first, lens, jax.random.PRNGKey(seed),
-                                   model_step_fn=_Hashable(step, (model.config, model.plan, model.numerics)),
-                                   n_steps=max_new_tokens - 1, temperature=float(temperature),
-                                   keep_logits=return_logits)
-    return GenerateOutput(np.asarray(toks)[:B], np.asarray(logits)[:B] if return_logits else None)
 
-
-_pick_jit = jax.jit(_pick, static_argnames=("temperature",))
-
-
-def _host_decode_loop(model: Model, state, history, first_logits, lens, key, *, n_steps, temperature, keep_logits):
-    """Decode for models with Engram: each step's table rows are hashed and gathered on the host from the
-    token just sampled, so the loop runs on the host (one device step per token)."""
-    step = model.step_fn(all_logits=False)
-    key, sub = jax.random.split(key)
-    tok = _pick_jit(first_logits, temperature=temperature, key=sub)
-    lens_np = np.asarray(lens)
-    toks, rows = [np.asarray(tok)], [first_logits]
-    for i in range(n_steps):
-        pos = np.where(lens_np > 0, lens_np + i, -1).astype(np.int32)[:, None]
-        eng = model.engram_inputs(history, toks[-1][:, None], pos)
-        logits, state = step(model.params, state, tok[:, None], jnp.asarray(pos), eng)
-        key, sub = jax.random.split(key)
-        tok = _pick_jit(logits, temperature=temperature, key=sub)
-        toks.append(np.asarray(tok))
-        if keep_logits:
-            rows.append(logits)
-    logits = np.stack([np.asarray(r) for r in rows], axis=1) if keep_logits else None
-    return np.stack(toks, axis=1), logits
+    tok = _sample_jit(first, sb, jnp.zeros((Bb,), jnp.int32))
+    done = jnp.any(tok[:, None] == stops, axis=-1) | (max_new <= 1) | (lens == 0)
+    carry = (tok, jnp.ones((Bb,), jnp.int32), done)
+    tokens, logits = [np.asarray(tok)[:, None]], [np.asarray(first)[:, None]] if return_logits else None
+    if stream is not None:
+        stream([[int(t)] for t in tokens[0][:B, 0]])
+    step_fn = _Hashable(functools.partial(model_step, config=model.config, plan=model.plan, numerics=model.numerics,
+                                          all_logits=False), (model.config, model.plan, model.numerics))
+    # power-of-two blocks: a handful of compiled programs whatever max_new_tokens is
+    block = 1 if model.engram is not None else min(length_bucket(stream_every, 1), length_bucket(n_new - 1, 1))
+    produced = 1
+    while produced < n_new and not bool(np.all(np.asarray(carry[2]))):
+        engram = None
+        if model.engram is not None:
+            t_last, count, dn = (np.asarray(c) for c in carry)
+            pos = np.where(dn, -1, np.asarray(lens) + count - 1).astype(np.int32)[:, None]
+            engram = model.engram_inputs(history, np.maximum(t_last, 0)[:, None], pos)
+        state, carry, toks, lg = _decode_block_jit(model.params, state, engram, carry, lens, sb, stops, max_new,
+                                                   model_step_fn=step_fn, n_steps=block, keep_logits=return_logits)
+        toks = np.asarray(toks).T                                        # [B, block]
+        tokens.append(toks)
+        if return_logits:
+            logits.append(np.asarray(lg).transpose(1, 0, 2))
+        produced += block
+        if stream is not None:
+            stream([[int(t) for t in row if t >= 0] for row in toks[:B]])
+    out = np.concatenate(tokens, axis=1)[:B, :n_new]
+    out_logits = None
+    if return_logits:
+        out_logits = np.concatenate(logits, axis=1)[:B, :n_new]
+        if out_logits.shape[1] < n_new:   # every request ended early
+            pad = np.full((B, n_new - out_logits.shape[1], V), np.nan, np.float32)
+            out_logits = np.concatenate([out_logits, pad], axis=1)
+    if out.shape[1] < n_new:
+        out = np.concatenate([out, np.full((B, n_new - out.shape[1]), -1, np.int32)], axis=1)
+    lengths = np.sum(out >= 0, axis=1)
+    return GenerateOutput(out, out_logits, lengths)
 
 
 class _Hashable:

@@ -89,13 +89,13 @@ def test_repeated_decode_does_not_recompile(tiny_model):
 
 
 def test_repeated_generate_does_not_recompile(tiny_model):
-    from jdeep.generate import _decode_loop
+    from jdeep.generate import _decode_block_jit
 
-    jdeep.generate(tiny_model, [[0, 5, 9], [0, 7]], max_new_tokens=4)
-    before = _decode_loop._cache_size()
+    jdeep.generate(tiny_model, [[0, 5, 9], [0, 7]], max_new_tokens=4, ignore_eos=True)
+    before = _decode_block_jit._cache_size()
     step_before = tiny_model.step_fn(all_logits=False)._cache_size()
-    out = jdeep.generate(tiny_model, [[0, 1, 2, 3], [0, 8]], max_new_tokens=4)
-    assert _decode_loop._cache_size() == before
+    out = jdeep.generate(tiny_model, [[0, 1, 2, 3], [0, 8]], max_new_tokens=4, ignore_eos=True)
+    assert _decode_block_jit._cache_size() == before
     assert tiny_model.step_fn(all_logits=False)._cache_size() == step_before
     assert out.tokens.shape == (2, 4)
 

@@ -1,0 +1,113 @@
+"""Text in and out: a checkpoint's tokenizer.json through the `tokenizers` library, DeepSeek's chat format,
+and incremental detokenisation that only ever emits complete UTF-8 text."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "chat_prompt"]
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK, END_THINK = "<think>", "</think>"
+
+
+def chat_prompt(messages: Sequence[dict], thinking: bool = False, add_generation_prompt: bool = True) -> str:
+    """DeepSeek's chat layout (as in its V3.2 encoder; V4 ships the same special tokens):
+
+        <bos>{system}<User>{user}<Assistant></think>{reply}<eos><User>{user}<Assistant></think>
+
+    Non-thinking turns open the reply with `</think>`; with `thinking` the last turn opens `<think>` instead.
+    messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]."""
+    out = [BOS]
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(content, str):
+            raise ValueError(f"message {i}: content must be a string, got {type(content).__name__}")
+        if role == "system":
+            if i != 0:
+                raise ValueError(f"message {i}: a system message must come first")
+            out.append(content)
+        elif role == "user":
+            out += [USER, content, ASSISTANT]
+        elif role == "assistant":
+            if i == 0 or messages[i - 1].get("role") != "user":
+                raise ValueError(f"message {i}: an assistant message must follow a user message")
+            out += [END_THINK, content, EOS]
+        else:
+            raise ValueError(f"message {i}: role must be system, user or assistant, got {role!r}")
+    if not messages or messages[-1].get("role") != "user":
+        raise ValueError("the last message must be a user message")
+    if add_generation_prompt:
+        out.append(THINK if thinking else END_THINK)
+    else:
+        out.pop()   # leave the trailing <Assistant> out
+    return "".join(out)
+
+
+class Tokenizer:
+    """A tokenizer.json (Hugging Face `tokenizers`) with DeepSeek's chat format."""
+
+    def __init__(self, path: str | os.PathLike):
+        from tokenizers import Tokenizer as _Tok
+
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no tokenizer.json at {path}: text prompts need the checkpoint's tokenizer")
+        self.path = path
+        self._tok = _Tok.from_file(path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> ids as written (special-token strings such as the chat markers become their ids)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def chat(self, messages: Sequence[dict], thinking: bool = False) -> list[int]:
+        """Token ids of a chat prompt ending where the assistant's reply begins."""
+        return self.encode(chat_prompt(messages, thinking))
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Streams the text of a growing id sequence. `push(ids)` returns the new text since the last call,
+    holding back while the tail decodes to an incomplete UTF-8 sequence (U+FFFD), so multi-byte
+    characters split across tokens are emitted whole. `flush()` returns whatever is left."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tok, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0     # ids before this index are context only (their text was emitted)
+        self.read = 0       # text of ids[prefix:read] has been emitted
+
+    def _text(self, a: int, b: int) -> str:
+        return self.tok.decode(self.ids[a:b], self.skip)
+
+    def push(self, ids: Iterable[int]) -> str:
+        self.ids.extend(int(i) for i in ids)
+        prefix_text = self._text(self.prefix, self.read)
+        full = self._text(self.prefix, len(self.ids))
+        if len(full) <= len(prefix_text) or full.endswith("\ufffd"):
+            return ""
+        new = full[len(prefix_text):]
+        # keep a few ids of context: decoders strip or merge at the start of a sequence
+        self.prefix, self.read = max(self.read - 4, 0), len(self.ids)
+        return new
+
+    def flush(self) -> str:
+        prefix_text = self._text(self.prefix, self.read)
+        full = self._text(self.prefix, len(self.ids))
+        self.prefix = self.read = len(self.ids)
+        return full[len(prefix_text):]
