@@ -1,0 +1,191 @@
+"""Continuous batching over a fixed pool of sequence slots.
+
+The decode state is allocated once for `max_num_seqs` slots (a power of two) and `max_len` tokens.
+Requests wait in a queue, take a free slot (its rows of the state are reset, nothing is reallocated),
+prefill in chunks, decode one token per engine step alongside every other running request, and leave
+their slot when they meet their length, a stop token or EOS. Every step runs the whole pool through one
+compiled program per shape (decode: [slots, 1]; prefill: [slots, chunk bucket]); idle rows carry position
+-1, so they neither write state nor disturb the others: a request's tokens do not depend on its company.
+
+Bad requests (invalid sampling values, out-of-vocabulary ids, prompts that do not fit) finish at once
+with finish_reason "error" and a message; the engine keeps serving the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..generate import length_bucket, validate_prompts
+from ..model import Model
+from ..state import reset_slots
+from .sampling import SamplingParams, batch_params, sample
+
+__all__ = ["Engine", "RequestOutput"]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None     # "stop" (stop token / EOS), "length" or "error"
+    error: str | None = None
+
+
+@dataclass
+class _Slot:
+    out: RequestOutput
+    params: SamplingParams
+    stops: tuple[int, ...]
+    prefilled: int = 0                   # prompt tokens already in the state
+
+
+_reset = jax.jit(reset_slots, donate_argnums=(0,))
+_sample = jax.jit(sample)
+
+
+class Engine:
+    """engine = Engine(model, max_num_seqs=8); engine.add_request(ids, SamplingParams(...)); engine.run()."""
+
+    def __init__(self, model: Model, max_num_seqs: int = 8, max_len: int = 2048, prefill_chunk: int = 256,
+                 seed: int = 0, ignore_eos: bool = False):
+        if max_num_seqs < 1 or max_len < 2 or prefill_chunk < 1:
+            raise ValueError(f"max_num_seqs, max_len and prefill_chunk must be positive, got {max_num_seqs}, "
+                             f"{max_len}, {prefill_chunk}")
+        if max_len > model.config.max_position_embeddings:
+            raise ValueError(f"max_len {max_len} exceeds max_position_embeddings {model.config.max_position_embeddings}")
+        self.model = model
+        self.n_slots = 1 << (max_num_seqs - 1).bit_length()
+        self.max_len = max_len
+        self.chunk = prefill_chunk
+        self.seed = seed
+        self.eos = () if ignore_eos or model.config.eos_token_id is None else (model.config.eos_token_id,)
+        self.state = model.init_state(self.n_slots, length_bucket(max_len, 256))
+        self.history = model.new_history(self.n_slots)
+        self.slots: list[_Slot | None] = [None] * self.n_slots
+        self.waiting: deque[_Slot] = deque()
+        self.outputs: dict[str, RequestOutput] = {}
+        self._ids = itertools.count()
+        self._params = [SamplingParams()] * self.n_slots
+        self._sb = None
+        self._last = np.zeros(self.n_slots, np.int32)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: Sequence[int], sampling: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id. An invalid request is finished at once with an error."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        out = RequestOutput(rid, [int(t) for t in prompt] if _is_int_list(prompt) else [])
+        self.outputs[rid] = out
+        try:
+            (ids,) = validate_prompts(self.model, [prompt])
+            p = (sampling or SamplingParams()).validate(self.model.config.vocab_size)
+            if p.stop:
+                raise ValueError("stop strings need a tokenizer: use stop_token_ids")
+            if len(ids) + p.max_new_tokens > self.max_len:
+                raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
+                                 f"engine's max_len {self.max_len}")
+        except ValueError as e:
+            out.finished, out.finish_reason, out.error = True, "error", str(e)
+            return rid
+        if p.seed is None:
+            p = dataclasses.replace(p, seed=self.seed + len(self.outputs) - 1)
+        self.waiting.append(_Slot(out, p, tuple(dict.fromkeys(tuple(p.stop_token_ids) + self.eos))))
+        return rid
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    # ------------------------------------------------------------------ stepping
+    def _admit(self) -> None:
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        taken = []
+        while free and self.waiting:
+            i = free.pop(0)
+            self.slots[i] = self.waiting.popleft()
+            self._params[i] = self.slots[i].params
+            taken.append(i)
+        if taken:
+            mask = np.zeros(self.n_slots, bool)
+            mask[taken] = True
+            self.state = _reset(self.state, jnp.asarray(mask))
+            if self.history is not None:
+                self.history.reset(taken)
+            self._sb = batch_params(self._params, self.n_slots)
+
+    def _run(self, toks: np.ndarray, pos: np.ndarray) -> jax.Array:
+        eng = self.model.engram_inputs(self.history, toks, pos)
+        logits, self.state = self.model.step_fn(all_logits=False)(self.model.params, self.state, jnp.asarray(toks),
+                                                                 jnp.asarray(pos), eng)
+        return logits
+
+    def _emit(self, logits: jax.Array, rows: list[int]) -> list[RequestOutput]:
+        counts = np.array([len(s.out.tokens) if s is not None else 0 for s in self.slots], np.int32)
+        nxt = np.asarray(_sample(logits, self._sb, jnp.asarray(counts)))
+        done = []
+        for i in rows:
+            s = self.slots[i]
+            t = int(nxt[i])
+            s.out.tokens.append(t)
+            self._last[i] = t
+            reason = "stop" if t in s.stops else ("length" if len(s.out.tokens) >= s.params.max_new_tokens else None)
+            if reason:
+                s.out.finished, s.out.finish_reason = True, reason
+                self.slots[i] = None
+                done.append(s.out)
+        return done
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration: admit waiting requests, then either one prefill chunk (while any admitted
+        prompt is incomplete) or one decode step for every running request. Returns requests finished now."""
+        self._admit()
+        prefilling = [i for i, s in enumerate(self.slots) if s is not None and s.prefilled < len(s.out.prompt)]
+        if prefilling:
+            n = {i: min(self.chunk, len(self.slots[i].out.prompt) - self.slots[i].prefilled) for i in prefilling}
+            S = length_bucket(max(n.values()))
+            toks = np.zeros((self.n_slots, S), np.int32)
+            pos = np.full((self.n_slots, S), -1, np.int32)
+            for i, k in n.items():
+                s = self.slots[i]
+                toks[i, :k] = s.out.prompt[s.prefilled:s.prefilled + k]
+                pos[i, :k] = np.arange(s.prefilled, s.prefilled + k)
+                s.prefilled += k
+            logits = self._run(toks, pos)
+            return self._emit(logits, [i for i in prefilling if self.slots[i].prefilled == len(self.slots[i].out.prompt)])
+        running = [i for i, s in enumerate(self.slots) if s is not None]
+        if not running:
+            return []
+        toks = np.where([s is not None for s in self.slots], self._last, 0).astype(np.int32)[:, None]
+        pos = np.full((self.n_slots, 1), -1, np.int32)
+        for i in running:
+            s = self.slots[i]
+            pos[i, 0] = len(s.out.prompt) + len(s.out.tokens) - 1
+        return self._emit(self._run(toks, pos), running)
+
+    def run(self, on_finish: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:
+        """Step until every queued request has finished; returns all outputs by request id."""
+        for out in self.outputs.values():
+            if out.finished and on_finish is not None:
+                on_finish(out)
+        while self.has_work:
+            for out in self.step():
+                if on_finish is not None:
+                    on_finish(out)
+        return self.outputs
+
+
+def _is_int_list(x) -> bool:
+    try:
+        return all(isinstance(int(t), int) for t in x) and not isinstance(x, (str, bytes))
+    except (TypeError, ValueError):
+        return False
