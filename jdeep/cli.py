@@ -41,19 +41,99 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling_from(args: argparse.Namespace, line: dict | None = None, index: int = 0):
+    """Command-line sampling values, overridden by a prompts-file line's own (line i seeded seed + i)."""
+    from jdeep.serve import SamplingParams
+
+    line = line or {}
+    return SamplingParams(
+        temperature=line.get("temperature", args.temperature), top_k=line.get("top_k", args.top_k),
+        top_p=line.get("top_p", args.top_p), min_p=line.get("min_p", args.min_p),
+        seed=line.get("seed", args.seed + index),
+        max_new_tokens=line.get("max_new_tokens", args.max_new_tokens),
+        stop_token_ids=tuple(line.get("stop_token_ids", ())))
+
+
+def _tokenizer(folder: str):
+    from jdeep.serve import Tokenizer
+
+    try:
+        return Tokenizer(folder)
+    except FileNotFoundError:
+        return None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import jdeep
 
+    given = [a for a in (args.prompt_ids, args.prompt, args.prompts_file) if a is not None]
+    if len(given) != 1:
+        raise SystemExit("jdeep generate: give exactly one of --prompt-ids, --prompt or --prompts-file")
     model = jdeep.load(args.model, dtype=args.dtype, quantize_activations=args.quantize_activations,
                        fp8_max=args.fp8_max, packed_kv=args.packed_kv)
-    if args.prompt_ids is None:
-        raise SystemExit("jdeep generate: give --prompt-ids (text prompts need the tokenizer, not supported yet)")
+    tok = _tokenizer(args.model)
+    if args.prompts_file is not None:
+        return _generate_file(args, model, tok)
+    if args.prompt is not None:
+        if tok is None:
+            raise SystemExit(f"jdeep generate: --prompt needs {args.model}/tokenizer.json (or use --prompt-ids)")
+        ids = tok.encode(args.prompt)
+    else:
+        ids = _parse_ids(args.prompt_ids)
     try:
-        out = jdeep.generate(model, [_parse_ids(args.prompt_ids)], max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, seed=args.seed)
+        out = jdeep.generate(model, [ids], sampling=_sampling_from(args), ignore_eos=args.ignore_eos)
     except ValueError as e:
         raise SystemExit(f"jdeep generate: {e}") from None
-    print(json.dumps({"tokens": out.tokens[0].tolist()}))
+    tokens = out.tokens[0, :out.lengths[0]].tolist()
+    result = {"tokens": tokens}
+    if tok is not None:
+        result["text"] = tok.decode(tokens)
+    print(json.dumps(result, ensure_ascii=False))
+    return 0
+
+
+def _generate_file(args: argparse.Namespace, model, tok) -> int:
+    """Offline batch: one JSON object per line ({"prompt_ids": [...]} or {"prompt": "..."}, optional "id" and
+    sampling fields), through the continuous-batching engine; one JSON line per request out, in input order."""
+    from jdeep.serve.engine import Engine
+
+    with open(args.prompts_file, encoding="utf-8") as f:
+        lines = [ln for ln in f.read().splitlines() if ln.strip()]
+    eng = Engine(model, max_num_seqs=args.max_num_seqs, max_len=args.max_len, ignore_eos=args.ignore_eos)
+    order = []
+    for n, ln in enumerate(lines):
+        rid = f"line-{n}"
+        try:
+            item = json.loads(ln)
+            if not isinstance(item, dict):
+                raise ValueError("each line must be a JSON object")
+            rid = str(item.get("id", rid))
+            if "prompt_ids" in item:
+                ids = item["prompt_ids"]
+            elif "prompt" in item:
+                if tok is None:
+                    raise ValueError("text prompts need the checkpoint's tokenizer.json")
+                ids = tok.encode(item["prompt"])
+            else:
+                raise ValueError('a line needs "prompt_ids" or "prompt"')
+            order.append(eng.add_request(ids, _sampling_from(args, item, n), request_id=rid))
+        except (ValueError, TypeError) as e:   # a bad line fails alone
+            order.append(eng.add_request([], None, request_id=rid))
+            eng.outputs[rid].error = f"line {n + 1}: {e}"
+    outs = eng.run()
+    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        for rid in order:
+            o = outs[rid]
+            rec = {"id": rid, "tokens": o.tokens, "finish_reason": o.finish_reason}
+            if o.error:
+                rec["error"] = o.error
+            if tok is not None and not o.error:
+                rec["text"] = tok.decode(o.tokens)
+            sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
     return 0
 
 
@@ -96,12 +176,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--arch", choices=["v4", "v41"], default="v4", help="the tiny model's architecture")
     d.set_defaults(fn=cmd_demo)
 
-    g = sub.add_parser("generate", help="greedy or sampled continuation of one prompt")
+    g = sub.add_parser("generate", help="continue one prompt, or a file of prompts through the batching engine")
     g.add_argument("--model", required=True, help="checkpoint folder (config.json + safetensors)")
     g.add_argument("--prompt-ids", help="comma-separated token ids")
+    g.add_argument("--prompt", help="text (needs the checkpoint's tokenizer.json)")
+    g.add_argument("--prompts-file", help="JSONL: {\"prompt_ids\": [...]} or {\"prompt\": \"...\"} per line, optional "
+                                          "\"id\" and sampling fields; JSONL results in input order")
+    g.add_argument("--output", help="where --prompts-file results go (default: stdout)")
+    g.add_argument("--max-num-seqs", type=int, default=8, help="engine slots for --prompts-file")
+    g.add_argument("--max-len", type=int, default=2048, help="longest prompt + output for --prompts-file")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
     g.add_argument("--dtype", **dtype)
     g.add_argument("--quantize-activations", action=argparse.BooleanOptionalAction, default=None,
                    help="DeepSeek's numerics for quantized checkpoints (default: on for fp8/fp4 checkpoints)")

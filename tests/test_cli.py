@@ -16,8 +16,8 @@ def test_generate_prints_the_same_tokens_as_the_api(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "0,5,9", "--max-new-tokens", "8",
                  "--temperature", "0"]) == 0
     printed = json.loads(capsys.readouterr().out)["tokens"]
-    expected = jdeep.generate(jdeep.load(tmp_path), [[0, 5, 9]], max_new_tokens=8).tokens[0]
-    np.testing.assert_array_equal(printed, expected)
+    out = jdeep.generate(jdeep.load(tmp_path), [[0, 5, 9]], max_new_tokens=8)
+    np.testing.assert_array_equal(printed, out.tokens[0, :out.lengths[0]])
 
 
 def test_generate_rejects_out_of_vocab_ids(tmp_path, capsys):
@@ -62,3 +62,33 @@ def test_convert_refuses_engram_models(tmp_path):
     else:
         raise AssertionError("converting an Engram model must fail with a message")
     assert not (tmp_path / "c").exists()
+
+
+def test_golden_generate_prints_the_api_tokens(capsys):
+    from conftest import golden_path
+
+    folder = golden_path("v4-tiny-hf")
+    assert main(["generate", "--model", str(folder), "--prompt-ids", "0,5,9", "--max-new-tokens", "8",
+                 "--temperature", "0"]) == 0
+    printed = json.loads(capsys.readouterr().out)["tokens"]
+    out = jdeep.generate(jdeep.load(folder), [[0, 5, 9]], max_new_tokens=8)
+    assert printed == out.tokens[0, :out.lengths[0]].tolist()
+
+
+def test_prompts_file_through_the_engine(tmp_path, capsys):
+    random_checkpoint(TINY_CONFIG, str(tmp_path / "m"), seed=12)
+    rng = np.random.default_rng(1)
+    prompts = [[0] + rng.integers(2, 512, size=int(rng.integers(2, 30))).tolist() for _ in range(64)]
+    lines = [json.dumps({"prompt_ids": p, "max_new_tokens": int(rng.integers(1, 8))}) for p in prompts]
+    lines.insert(5, json.dumps({"prompt_ids": [0, 99999]}))              # a bad line fails alone
+    (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["generate", "--model", str(tmp_path / "m"), "--prompts-file", str(tmp_path / "p.jsonl"),
+                 "--max-num-seqs", "8", "--max-len", "64", "--output", str(tmp_path / "out.jsonl")]) == 0
+    recs = [json.loads(ln) for ln in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(recs) == 65 and "outside the vocabulary" in recs[5]["error"]
+    recs.pop(5)
+    model = jdeep.load(tmp_path / "m")
+    for p, line, rec in list(zip(prompts, [ln for i, ln in enumerate(lines) if i != 5], recs))[:16]:
+        want = jdeep.generate(model, [p], max_new_tokens=json.loads(line)["max_new_tokens"])
+        assert rec["tokens"] == want.tokens[0, :want.lengths[0]].tolist()
+    assert all(r["finish_reason"] in ("stop", "length") for r in recs)
