@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 
 def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: bool | None = None,
-         fp8_max: float = 448.0, packed_kv: bool = False) -> Model:
+         fp8_max: float = 448.0, packed_kv: bool = False, progress: bool = False) -> Model:
     """Load a DeepSeek-V4 checkpoint folder (HF layout: config.json + safetensors) or a folder written
     by `jdeep convert` (Orbax).
 
@@ -32,6 +32,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     packed_kv: keep window and compressed KV as uint8 records (V4: fp8 codes, rope bytes, ue8m0 exponents;
     V4.1: fp8 window entries, fp4 compressed KV with e4m3 scales, fp4 index keys) instead of float rows;
     needs quantize_activations (the KV QAT makes the records exact).
+    progress: a progress bar over the checkpoint's tensors (tqdm, on stderr).
     """
     import jax
     import jax.numpy as jnp
@@ -59,10 +60,25 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         if numerics.trn2_weights:
             def rescale(codes, scale, block):
                 return trn2_rescale(codes, scale, block, numerics.fp8_max)
-        params = checkpoint.load_params(path, config, plan, np.dtype(jdtype),
-                                        place=lambda a: jax.device_put(a, device),
-                                        place_into=lambda shape, dt: jax.device_put(jnp.zeros(shape, dt), device),
-                                        fp8_rescale=rescale)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(desc=f"loading {os.path.basename(os.path.normpath(path))}", unit="tensor", leave=False)
+
+        def report(done: int, total: int) -> None:
+            if bar is not None:
+                bar.total = total
+                bar.update(done - bar.n)
+
+        try:
+            params = checkpoint.load_params(path, config, plan, np.dtype(jdtype), progress=report,
+                                            place=lambda a: jax.device_put(a, device),
+                                            place_into=lambda shape, dt: jax.device_put(jnp.zeros(shape, dt), device),
+                                            fp8_rescale=rescale)
+        finally:
+            if bar is not None:
+                bar.close()
     engram = None
     if config.engram is not None:
         from .engram import EngramHost

@@ -1,4 +1,6 @@
-"""The `jdeep` command line: demo, generate, info, convert."""
+"""The `jdeep` command line: demo, generate, info, convert. Commands that compile keep a persistent JAX
+compilation cache (--compile-cache DIR, $JDEEP_COMPILE_CACHE; --no-compile-cache or $JDEEP_NO_COMPILE_CACHE
+to disable)."""
 
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if len(given) != 1:
         raise SystemExit("jdeep generate: give exactly one of --prompt-ids, --prompt or --prompts-file")
     model = jdeep.load(args.model, dtype=args.dtype, quantize_activations=args.quantize_activations,
-                       fp8_max=args.fp8_max, packed_kv=args.packed_kv)
+                       fp8_max=args.fp8_max, packed_kv=args.packed_kv, progress=True)
     tok = _tokenizer(args.model)
     if args.prompts_file is not None:
         return _generate_file(args, model, tok)
@@ -164,6 +166,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile-cache", help="persistent compilation cache directory (default ~/.cache/jdeep/jax, "
+                                           "or $JDEEP_COMPILE_CACHE)")
+    p.add_argument("--no-compile-cache", action="store_true", help="do not keep compiled programs across runs")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jdeep", description="DeepSeek-V4 inference in JAX")
     sub = p.add_subparsers(dest="command", required=True)
@@ -174,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", **dtype)
     d.add_argument("--arch", choices=["v4", "v41"], default="v4", help="the tiny model's architecture")
+    _cache_args(d)
     d.set_defaults(fn=cmd_demo)
 
     g = sub.add_parser("generate", help="continue one prompt, or a file of prompts through the batching engine")
@@ -197,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DeepSeek's numerics for quantized checkpoints (default: on for fp8/fp4 checkpoints)")
     g.add_argument("--fp8-max", type=float, default=448.0, help="448 (e4m3fn) or 240/224 for Trainium2's e4m3")
     g.add_argument("--packed-kv", action="store_true", help="keep the KV cache as uint8 fp8 records")
+    _cache_args(g)
     g.set_defaults(fn=cmd_generate)
 
     i = sub.add_parser("info", help="config summary, parameter bytes by dtype, state bytes per token")
@@ -214,8 +224,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _compile_cache(args: argparse.Namespace) -> None:
+    """Persistent JAX compilation cache (on by default): compiled programs survive across runs."""
+    import os
+
+    if getattr(args, "no_compile_cache", True) or os.environ.get("JDEEP_NO_COMPILE_CACHE"):
+        return
+    import jax
+
+    path = args.compile_cache or os.environ.get("JDEEP_COMPILE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jdeep", "jax")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _compile_cache(args)
     try:
         return args.fn(args)
     except (FileNotFoundError, ValueError) as e:  # ConfigError / CheckpointError are ValueErrors

@@ -9,6 +9,8 @@ import pathlib
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+# CLI runs inside the tests do not write the user's persistent compilation cache (test_cli checks the cache itself)
+os.environ.setdefault("JDEEP_NO_COMPILE_CACHE", "1")
 GOLDEN_DIR = pathlib.Path(os.environ.get("JDEEP_GOLDEN_DIR", REPO.parent / "shared" / "golden"))
 
 

@@ -92,3 +92,16 @@ def test_prompts_file_through_the_engine(tmp_path, capsys):
         want = jdeep.generate(model, [p], max_new_tokens=json.loads(line)["max_new_tokens"])
         assert rec["tokens"] == want.tokens[0, :want.lengths[0]].tolist()
     assert all(r["finish_reason"] in ("stop", "length") for r in recs)
+
+
+def test_persistent_compile_cache(tmp_path, monkeypatch, capsys):
+    import jax
+
+    monkeypatch.delenv("JDEEP_NO_COMPILE_CACHE", raising=False)
+    random_checkpoint(TINY_CONFIG, str(tmp_path / "m"), seed=13)
+    try:
+        assert main(["generate", "--model", str(tmp_path / "m"), "--prompt-ids", "0,5", "--max-new-tokens", "2",
+                     "--compile-cache", str(tmp_path / "cache")]) == 0
+        assert any((tmp_path / "cache").iterdir())          # compiled programs were written there
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
