@@ -1,4 +1,4 @@
-"""The `jdeep` command line: demo, generate, info, convert. Commands that compile keep a persistent JAX
+"""The `jdeep` command line: demo, generate, chat, info, convert. Commands that compile keep a persistent JAX
 compilation cache (--compile-cache DIR, $JDEEP_COMPILE_CACHE; --no-compile-cache or $JDEEP_NO_COMPILE_CACHE
 to disable)."""
 
@@ -139,6 +139,37 @@ def _generate_file(args: argparse.Namespace, model, tok) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive chat on stdin/stdout: each reply streams as it is generated (whole UTF-8 characters)."""
+    import jdeep
+
+    tok = _tokenizer(args.model)
+    if tok is None:
+        raise SystemExit(f"jdeep chat: {args.model} has no tokenizer.json")
+    model = jdeep.load(args.model, dtype=args.dtype, progress=True)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        detok = tok.detokenizer()
+
+        def show(new: list[list[int]]) -> None:
+            print(detok.push(new[0]), end="", flush=True)
+
+        out = jdeep.generate(model, [tok.chat(messages, thinking=args.thinking)], sampling=_sampling_from(args),
+                             stream=show, stream_every=4)
+        print(detok.flush(), flush=True)
+        reply = out.tokens[0, :out.lengths[0]].tolist()
+        messages.append({"role": "assistant", "content": tok.decode(reply)})
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -208,6 +239,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--packed-kv", action="store_true", help="keep the KV cache as uint8 fp8 records")
     _cache_args(g)
     g.set_defaults(fn=cmd_generate)
+
+    ch = sub.add_parser("chat", help="interactive chat with streaming replies (needs tokenizer.json)")
+    ch.add_argument("--model", required=True)
+    ch.add_argument("--system", help="system prompt")
+    ch.add_argument("--thinking", action="store_true", help="open each reply in thinking mode (<think>)")
+    ch.add_argument("--max-new-tokens", type=int, default=512)
+    ch.add_argument("--temperature", type=float, default=0.7)
+    ch.add_argument("--top-k", type=int, default=0)
+    ch.add_argument("--top-p", type=float, default=0.95)
+    ch.add_argument("--min-p", type=float, default=0.0)
+    ch.add_argument("--seed", type=int, default=0)
+    ch.add_argument("--dtype", **dtype)
+    _cache_args(ch)
+    ch.set_defaults(fn=cmd_chat)
 
     i = sub.add_parser("info", help="config summary, parameter bytes by dtype, state bytes per token")
     src = i.add_mutually_exclusive_group(required=True)

@@ -105,3 +105,20 @@ def test_persistent_compile_cache(tmp_path, monkeypatch, capsys):
         assert any((tmp_path / "cache").iterdir())          # compiled programs were written there
     finally:
         jax.config.update("jax_compilation_cache_dir", None)
+
+
+def test_chat_streams_the_reply(tmp_path, monkeypatch, capsys):
+    import io
+
+    from jdeep.random_weights import write_word_tokenizer
+    from jdeep.serve import Tokenizer
+
+    random_checkpoint(TINY_CONFIG, str(tmp_path), seed=14)
+    write_word_tokenizer(str(tmp_path / "tokenizer.json"), 512)
+    monkeypatch.setattr("sys.stdin", io.StringIO("tok5 tok9\n/exit\n"))
+    assert main(["chat", "--model", str(tmp_path), "--temperature", "0", "--max-new-tokens", "6"]) == 0
+    printed = capsys.readouterr().out
+    tok = Tokenizer(tmp_path)
+    ids = tok.chat([{"role": "user", "content": "tok5 tok9"}])
+    out = jdeep.generate(jdeep.load(tmp_path), [ids], max_new_tokens=6)
+    assert printed.strip() == tok.decode(out.tokens[0, :out.lengths[0]]).strip() != ""
