@@ -1,4 +1,4 @@
-"""The `jdeep` command line: demo, generate, chat, info, convert. Commands that compile keep a persistent JAX
+"""The `jdeep` command line: demo, generate, chat, bench, info, convert. Commands that compile keep a persistent JAX
 compilation cache (--compile-cache DIR, $JDEEP_COMPILE_CACHE; --no-compile-cache or $JDEEP_NO_COMPILE_CACHE
 to disable)."""
 
@@ -170,6 +170,73 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": tok.decode(reply)})
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import jdeep
+    from jdeep.random_weights import random_checkpoint
+    from jdeep.serve.bench import format_report, run_bench
+
+    if args.compare:
+        raise SystemExit("jdeep bench: --compare transformers is not implemented yet (it needs torch and "
+                         "transformers: pip install 'jdeep[reference]')")
+    try:
+        sizes = [int(b) for b in args.batch_size.split(",") if b]
+    except ValueError:
+        raise SystemExit(f"jdeep bench: --batch-size must be comma-separated integers, got {args.batch_size!r}") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.model
+        if folder is None:
+            raw = BENCH_DEFAULT_CONFIG
+            if args.random_weights:
+                with open(args.random_weights, encoding="utf-8") as f:
+                    raw = json.load(f)
+            random_checkpoint(raw, tmp, seed=args.seed, dtype=args.dtype)
+            folder = tmp
+        model = jdeep.load(folder, dtype=args.dtype, progress=True)
+        prompts = None
+        if args.prompts_file:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts = [json.loads(ln)["prompt_ids"] for ln in f if ln.strip()]
+        result = run_bench(model, args.input_len, args.output_len, sizes, seed=args.seed, prompts=prompts)
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise SystemExit("jdeep bench: --plot needs matplotlib (pip install matplotlib)") from None
+        runs = result["runs"]
+        fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+        bs = [r["batch_size"] for r in runs]
+        ax[0].plot(bs, [r["decode_tok_s"] for r in runs], "o-", label="aggregate")
+        ax[0].plot(bs, [r["decode_tok_s_per_seq"] for r in runs], "s--", label="per sequence")
+        ax[0].set(xlabel="batch size", ylabel="decode tokens/s", xscale="log")
+        ax[0].legend()
+        ax[1].plot(bs, [r["roofline_fraction"] for r in runs], "o-")
+        ax[1].set(xlabel="batch size", ylabel="fraction of measured bandwidth", xscale="log")
+        fig.tight_layout()
+        fig.savefig(args.plot)
+    return 0
+
+
+# `jdeep bench` with no model: a small DeepSeek-V4 (every layer kind) with seeded random weights
+BENCH_DEFAULT_CONFIG = {
+    "model_type": "deepseek_v4", "vocab_size": 32768, "hidden_size": 1024, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "head_dim": 256, "qk_rope_head_dim": 64, "q_lora_rank": 256, "o_groups": 4,
+    "o_lora_rank": 256, "n_routed_experts": 32, "num_experts_per_tok": 4, "n_shared_experts": 1,
+    "moe_intermediate_size": 512, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "num_hash_layers": 2,
+    "compress_ratios": [0, 4, 128, 4, 128, 4, 128, 0], "sliding_window": 128, "index_n_heads": 16,
+    "index_head_dim": 64, "index_topk": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0, "rope_scaling": {"type": "yarn", "factor": 16.0,
+                                                       "original_max_position_embeddings": 4096,
+                                                       "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 65536, "bos_token_id": 0, "eos_token_id": 1,
+}
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -253,6 +320,23 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--dtype", **dtype)
     _cache_args(ch)
     ch.set_defaults(fn=cmd_chat)
+
+    b = sub.add_parser("bench", help="prefill/decode speed, latency percentiles, memory and bandwidth roofline")
+    bsrc = b.add_mutually_exclusive_group()
+    bsrc.add_argument("--model", help="checkpoint folder")
+    bsrc.add_argument("--random-weights", help="config.json to build a seeded random checkpoint from "
+                                               "(default: a built-in small DeepSeek-V4)")
+    b.add_argument("--input-len", type=int, default=512)
+    b.add_argument("--output-len", type=int, default=32)
+    b.add_argument("--batch-size", default="1,8", help="comma-separated batch sizes (a sweep)")
+    b.add_argument("--prompts-file", help="JSONL with prompt_ids per line instead of random prompts")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    b.add_argument("--json", help="write the full result (schema jdeep.bench/1, see jdeep/serve/bench.py)")
+    b.add_argument("--plot", help="write a PNG of the sweep (needs matplotlib)")
+    b.add_argument("--compare", choices=["transformers"], help="also run the transformers model (not yet)")
+    _cache_args(b)
+    b.set_defaults(fn=cmd_bench)
 
     i = sub.add_parser("info", help="config summary, parameter bytes by dtype, state bytes per token")
     src = i.add_mutually_exclusive_group(required=True)

@@ -1,0 +1,173 @@
+"""Benchmark harness: prefill and decode speed, latency percentiles, memory and a bandwidth roofline.
+
+For each batch size B: B prompts of `input_len` tokens are prefilled as one chunk, then `output_len`
+greedy decode steps run one compiled step at a time (each waited for, so every inter-token latency is
+measured). Compilation is timed separately (ahead-of-time lower + compile of both programs). The
+achieved memory bandwidth of a decode step is the bytes it must read — the dense weights, the routed
+experts B tokens can reach, the decode state up to the current length — over its latency; the roofline
+fraction divides that by a streaming-read bandwidth measured on the same device right before.
+
+JSON schema "jdeep.bench/1" (stable; fields only ever added):
+    {"schema", "model": {"config", "dtype", "weight_bytes", "kv_bytes_per_token", "state_fixed_bytes"},
+     "machine": {"backend", "device", "measured_bandwidth_gbs"},
+     "runs": [{"batch_size", "input_len", "output_len", "compile_s": {"prefill", "decode"}, "ttft_s",
+               "prefill_tok_s", "itl_ms": {"mean", "p50", "p99"}, "decode_tok_s_per_seq", "decode_tok_s",
+               "decode_step_bytes", "achieved_bandwidth_gbs", "roofline_fraction", "peak_rss_bytes"}]}
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..generate import length_bucket
+from ..info import kv_bytes_per_token
+from ..model import Model
+from ..state import state_bytes
+
+__all__ = ["run_bench", "measure_bandwidth", "format_report", "SCHEMA"]
+
+SCHEMA = "jdeep.bench/1"
+_EXPERT_KEYS = ("w1", "w2", "w3")
+
+
+def measure_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Streaming-read bandwidth of the default device in GB/s: the best of `repeats` full reductions of an
+    n_bytes float32 array (every byte read once)."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: jnp.sum(a))
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return n_bytes / best / 1e9
+
+
+def _weight_bytes(params: dict) -> tuple[int, int]:
+    """(total, routed-expert) bytes of the device param tree."""
+    total = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    expert = 0
+    for seg in params["segments"]:
+        for slot in seg:
+            for k in _EXPERT_KEYS:
+                expert += sum(x.nbytes for x in jax.tree_util.tree_leaves(slot["ffn"][k]))
+    return total, expert
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_bench(model: Model, input_len: int = 512, output_len: int = 32, batch_sizes: Sequence[int] = (1, 8),
+              seed: int = 0, prompts: Sequence[Sequence[int]] | None = None, bandwidth_gbs: float | None = None
+              ) -> dict:
+    """Run the benchmark; returns the schema above. `prompts` (token ids) replace the random ones (each is
+    cut or tiled to input_len)."""
+    if input_len < 1 or output_len < 1 or not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"input_len, output_len and batch sizes must be positive, got {input_len}, {output_len}, "
+                         f"{list(batch_sizes)}")
+    cfg = model.config
+    if input_len + output_len > cfg.max_position_embeddings:
+        raise ValueError(f"input_len + output_len = {input_len + output_len} exceeds max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    rng = np.random.default_rng(seed)
+    bw = bandwidth_gbs or measure_bandwidth()
+    total, expert_bytes = _weight_bytes(model.params)
+    dense_bytes = total - expert_bytes
+    kv_tok = kv_bytes_per_token(cfg, model.dtype, model.numerics)
+    max_len = length_bucket(input_len + output_len, 256)
+    runs = []
+    for B in batch_sizes:
+        if prompts:
+            base = [np.resize(np.asarray(p, np.int32), input_len) for p in prompts]
+            ids = np.stack([base[i % len(base)] for i in range(B)])
+        else:
+            ids = rng.integers(2, cfg.vocab_size, size=(B, input_len)).astype(np.int32)
+            ids[:, 0] = cfg.bos_token_id or 0
+        runs.append(_run_one(model, ids, output_len, max_len, bw, dense_bytes, expert_bytes, kv_tok))
+    return {
+        "schema": SCHEMA,
+        "model": {"config": cfg.to_dict(), "dtype": np.dtype(model.dtype).name, "weight_bytes": total,
+                  "kv_bytes_per_token": kv_tok,
+                  "state_fixed_bytes": state_bytes(cfg, model.plan, 1, 0, model.dtype, model.numerics)},
+        "machine": {"backend": jax.default_backend(), "device": str(jax.devices()[0]),
+                    "measured_bandwidth_gbs": bw},
+        "runs": runs,
+    }
+
+
+def _run_one(model: Model, ids: np.ndarray, output_len: int, max_len: int, bw: float, dense_bytes: int,
+             expert_bytes: int, kv_tok: float) -> dict:
+    cfg = model.config
+    B, L = ids.shape
+    pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy()
+    state = model.init_state(B, max_len)
+    history = model.new_history(B)
+    step_fn = model.step_fn(all_logits=False)
+
+    # ahead-of-time compilation, timed apart from the runs
+    eng = model.engram_inputs(model.new_history(B), ids, pos)
+    t = time.perf_counter()
+    prefill = step_fn.lower(model.params, state, jnp.asarray(ids), jnp.asarray(pos), eng).compile()
+    t_prefill = time.perf_counter() - t
+    tok1 = np.zeros((B, 1), np.int32)
+    eng1 = model.engram_inputs(model.new_history(B), tok1, np.zeros((B, 1), np.int32))
+    t = time.perf_counter()
+    decode = step_fn.lower(model.params, state, jnp.asarray(tok1), jnp.asarray(tok1), eng1).compile()
+    t_decode = time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    eng = model.engram_inputs(history, ids, pos)
+    logits, state = prefill(model.params, state, jnp.asarray(ids), jnp.asarray(pos), eng)
+    tok = np.asarray(jax.lax.top_k(logits, 1)[1])                    # waits for the prefill
+    ttft = time.perf_counter() - t0
+    itl = []
+    for i in range(output_len - 1):
+        t = time.perf_counter()
+        p = np.full((B, 1), L + i, np.int32)
+        eng = model.engram_inputs(history, tok, p)
+        logits, state = decode(model.params, state, jnp.asarray(tok, jnp.int32), jnp.asarray(p), eng)
+        tok = np.asarray(jax.lax.top_k(logits, 1)[1])
+        itl.append(time.perf_counter() - t)
+    itl_s = np.asarray(itl) if itl else np.asarray([np.nan])
+    mean = float(np.mean(itl_s))
+    # bytes one decode step reads: dense weights, the experts B tokens can reach, the state at mid length
+    reach = min(1.0, B * cfg.n_activated_experts / cfg.n_routed_experts)
+    ctx = L + output_len / 2
+    step_bytes = dense_bytes + reach * expert_bytes + B * (kv_tok * ctx + state_bytes(cfg, model.plan, 1, 0,
+                                                                                       model.dtype, model.numerics))
+    achieved = step_bytes / mean / 1e9 if itl else float("nan")
+    return {
+        "batch_size": B, "input_len": L, "output_len": output_len,
+        "compile_s": {"prefill": t_prefill, "decode": t_decode},
+        "ttft_s": ttft, "prefill_tok_s": B * L / ttft,
+        "itl_ms": {"mean": mean * 1e3, "p50": float(np.percentile(itl_s, 50)) * 1e3,
+                   "p99": float(np.percentile(itl_s, 99)) * 1e3},
+        "decode_tok_s_per_seq": 1.0 / mean, "decode_tok_s": B / mean,
+        "decode_step_bytes": step_bytes, "achieved_bandwidth_gbs": achieved, "roofline_fraction": achieved / bw,
+        "peak_rss_bytes": _peak_rss(),
+    }
+
+
+def format_report(result: dict) -> str:
+    """A plain-text table of a run_bench result."""
+    m = result["model"]
+    lines = [f"weights {m['weight_bytes'] / 2**20:.1f} MiB ({m['dtype']}), state {m['kv_bytes_per_token']:.0f} B/token "
+             f"+ {m['state_fixed_bytes'] / 2**20:.2f} MiB per sequence; device {result['machine']['device']}, "
+             f"measured read bandwidth {result['machine']['measured_bandwidth_gbs']:.1f} GB/s",
+             f"{'B':>4} {'in':>6} {'out':>5} {'compile s':>10} {'TTFT ms':>9} {'prefill tok/s':>14} {'ITL p50 ms':>11} "
+             f"{'ITL p99 ms':>11} {'tok/s/seq':>10} {'tok/s':>9} {'GB/s':>7} {'roofline':>9} {'peak RSS MiB':>13}"]
+    for r in result["runs"]:
+        c = r["compile_s"]["prefill"] + r["compile_s"]["decode"]
+        lines.append(f"{r['batch_size']:>4} {r['input_len']:>6} {r['output_len']:>5} {c:>10.1f} {r['ttft_s'] * 1e3:>9.1f} "
+                     f"{r['prefill_tok_s']:>14.0f} {r['itl_ms']['p50']:>11.2f} {r['itl_ms']['p99']:>11.2f} "
+                     f"{r['decode_tok_s_per_seq']:>10.1f} {r['decode_tok_s']:>9.1f} "
+                     f"{r['achieved_bandwidth_gbs']:>7.2f} {r['roofline_fraction']:>9.3f} {r['peak_rss_bytes'] / 2**20:>13.0f}")
+    return "\n".join(lines)
