@@ -94,17 +94,19 @@ def test_prompts_file_through_the_engine(tmp_path, capsys):
     assert all(r["finish_reason"] in ("stop", "length") for r in recs)
 
 
-def test_persistent_compile_cache(tmp_path, monkeypatch, capsys):
-    import jax
+def test_persistent_compile_cache(tmp_path):
+    """In a fresh process (JAX sets its cache up at the first compilation of a process)."""
+    import os
+    import subprocess
+    import sys
 
-    monkeypatch.delenv("JDEEP_NO_COMPILE_CACHE", raising=False)
     random_checkpoint(TINY_CONFIG, str(tmp_path / "m"), seed=13)
-    try:
-        assert main(["generate", "--model", str(tmp_path / "m"), "--prompt-ids", "0,5", "--max-new-tokens", "2",
-                     "--compile-cache", str(tmp_path / "cache")]) == 0
-        assert any((tmp_path / "cache").iterdir())          # compiled programs were written there
-    finally:
-        jax.config.update("jax_compilation_cache_dir", None)
+    env = {k: v for k, v in os.environ.items() if k != "JDEEP_NO_COMPILE_CACHE"}
+    run = subprocess.run([sys.executable, "-m", "jdeep.cli", "generate", "--model", str(tmp_path / "m"),
+                          "--prompt-ids", "0,5", "--max-new-tokens", "2", "--compile-cache", str(tmp_path / "cache")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert any((tmp_path / "cache").iterdir())          # compiled programs were written there
 
 
 def test_chat_streams_the_reply(tmp_path, monkeypatch, capsys):

@@ -39,3 +39,13 @@ def test_bench_rejects_bad_sizes(capsys):
         assert "batch-size" in str(e)
     else:
         raise AssertionError("a bad --batch-size must fail")
+
+
+def test_bench_plot(tmp_path, capsys):
+    import pytest
+
+    pytest.importorskip("matplotlib", reason="--plot needs the optional 'plot' extra (matplotlib)")
+    (tmp_path / "c.json").write_text(json.dumps(TINY_CONFIG))
+    assert main(["bench", "--random-weights", str(tmp_path / "c.json"), "--input-len", "16", "--output-len", "3",
+                 "--batch-size", "1,2", "--dtype", "float32", "--plot", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
