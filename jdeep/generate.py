@@ -100,7 +100,7 @@ _decode_block_jit = jax.jit(_decode_block, static_argnames=("model_step_fn", "n_
 _sample_jit = jax.jit(sample)
 
 
-def _sampling_for(model: Model, n: int, sampling, max_new_tokens: int, temperature: float, seed: int
+def _sampling_for(n: int, sampling, max_new_tokens: int, temperature: float, seed: int
                   ) -> list[SamplingParams]:
     if sampling is None:
         sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
@@ -140,7 +140,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     if stream_every < 1:
         raise ValueError(f"stream_every must be positive, got {stream_every}")
     V = model.config.vocab_size
-    params = [p.validate(V) for p in _sampling_for(model, len(prompts), sampling, max_new_tokens, temperature, seed)]
+    params = [p.validate(V) for p in _sampling_for(len(prompts), sampling, max_new_tokens, temperature, seed)]
     if any(p.stop for p in params):
         raise ValueError("stop strings need a tokenizer: pass stop_token_ids for token prompts")
     n_new = max(p.max_new_tokens for p in params)

@@ -19,24 +19,17 @@ import time
 
 CHILD = r"""
 import json, resource, sys, time
-def hwm():
-    for line in open('/proc/self/status'):
-        if line.startswith('VmHWM'):
-            return int(line.split()[1]) * 1024
-def rss():
-    for line in open('/proc/self/status'):
-        if line.startswith('VmRSS'):
-            return int(line.split()[1]) * 1024
 import jax, jax.numpy as jnp
 jnp.zeros(1).block_until_ready()          # start the runtime before measuring the baseline
 import jdeep
-base = rss()
+from jdeep.memory import status_bytes
+base = status_bytes("VmRSS")
 t0 = time.perf_counter()
 model = jdeep.load(sys.argv[1], dtype=sys.argv[2])
 jax.block_until_ready(jax.tree_util.tree_leaves(model.params))
 dt = time.perf_counter() - t0
 leaves = jax.tree_util.tree_leaves(model.params)
-print(json.dumps({"baseline_rss": base, "peak_rss": hwm(), "final_rss": rss(), "load_seconds": dt,
+print(json.dumps({"baseline_rss": base, "peak_rss": status_bytes("VmHWM"), "final_rss": status_bytes("VmRSS"), "load_seconds": dt,
                   "param_bytes": sum(x.nbytes for x in leaves)}))
 """
 

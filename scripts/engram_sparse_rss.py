@@ -23,20 +23,12 @@ import tempfile
 import numpy as np
 
 from jdeep.engram import EngramLayout, EngramTables, hash_ids
+from jdeep.memory import status_bytes
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 HEAD_DIM = 256
 RELEASED = {"layer_ids": [1, 14], "max_ngram_size": 4, "n_heads": 8, "engram_vocab_size": 16_000_000,
             "compressed_vocab_size": 99_092, "pad_class": 2}
-
-
-def status_bytes(field: str) -> int:
-    """A `kB` field of /proc/self/status (VmRSS, RssFile, ...) in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def write_sparse_header(path: str, layer_ids: list[int], rows: list[int], head_dim: int) -> dict[str, int]:

@@ -15,6 +15,7 @@ import pytest
 
 import jdeep
 from jdeep.checkpoint import write_safetensors
+from jdeep.memory import status_bytes
 from jdeep.random_weights import random_checkpoint, tiny_v41_config
 
 PROMPTS = [[0, 5, 6, 7, 8], list(range(3, 40)), [0] + list(range(100, 120))]
@@ -44,14 +45,6 @@ def test_chunked_cached_decode_equals_nocache_forward(folder):
     assert (s1.tokens != out.tokens).any() and s1.tokens.max() < model.config.vocab_size
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def _mem_total() -> int:
     with open("/proc/meminfo") as f:
         return int(f.readline().split()[1]) * 1024
@@ -67,11 +60,11 @@ def test_engram_tables_larger_than_ram_stay_on_disk(tmp_path):
     if on_disk > logical // 100:
         pytest.skip("the filesystem does not keep sparse files sparse")
     assert logical > 3 * _mem_total()
-    rss0, file0 = _rss("VmRSS"), _rss("RssFile")
+    rss0, file0 = status_bytes("VmRSS"), status_bytes("RssFile")
     model = jdeep.load(tmp_path, quantize_activations=False)
     logits = jdeep.forward(model, PROMPTS[1], pad_to=64)
     assert np.isfinite(logits).all()
-    grown, file_grown = _rss("VmRSS") - rss0, _rss("RssFile") - file0
+    grown, file_grown = status_bytes("VmRSS") - rss0, status_bytes("RssFile") - file0
     print(f"tables {logical / 2**30:.1f} GiB logical ({on_disk / 2**20:.1f} MiB on disk); RSS +{grown / 2**20:.0f} "
           f"MiB, file-backed +{file_grown / 2**20:.1f} MiB")
     assert file_grown < 64 << 20     # the table pages of the gathered rows only

@@ -58,12 +58,17 @@ def encode_ckv(kv: jax.Array, block: int) -> jax.Array:
     return jnp.concatenate([codecs.pack_e2m1(jnp, codes), codecs.e4m3_encode(jnp, s)], axis=-1)
 
 
+def _decode_fp4(rec: jax.Array, n: int, block: int, scale_decode, dtype) -> jax.Array:
+    """[n/2 packed e2m1 bytes | n/block scale bytes] -> values [..., n]."""
+    r = rec.astype(jnp.int32)
+    vals = codecs.e2m1_decode(jnp, codecs.unpack_e2m1(jnp, r[..., : n // 2]))
+    scale = jnp.repeat(scale_decode(jnp, r[..., n // 2:]), block, axis=-1)
+    return (vals * scale).astype(dtype)
+
+
 @register("decode_ckv_v41")
 def decode_ckv(rec: jax.Array, D: int, block: int, dtype) -> jax.Array:
-    r = rec.astype(jnp.int32)
-    vals = codecs.e2m1_decode(jnp, codecs.unpack_e2m1(jnp, r[..., : D // 2]))
-    scale = jnp.repeat(codecs.e4m3_decode(jnp, r[..., D // 2:]), block, axis=-1)
-    return (vals * scale).astype(dtype)
+    return _decode_fp4(rec, D, block, codecs.e4m3_decode, dtype)
 
 
 @register("encode_ikey_v41")
@@ -77,7 +82,4 @@ def encode_ikey(key: jax.Array, block: int) -> jax.Array:
 
 @register("decode_ikey_v41")
 def decode_ikey(rec: jax.Array, DI: int, block: int, dtype) -> jax.Array:
-    r = rec.astype(jnp.int32)
-    vals = codecs.e2m1_decode(jnp, codecs.unpack_e2m1(jnp, r[..., : DI // 2]))
-    scale = jnp.repeat(codecs.ue8m0_decode(jnp, r[..., DI // 2:]), block, axis=-1)
-    return (vals * scale).astype(dtype)
+    return _decode_fp4(rec, DI, block, codecs.ue8m0_decode, dtype)

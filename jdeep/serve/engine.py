@@ -84,7 +84,7 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queue a request; returns its id. An invalid request is finished at once with an error."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        out = RequestOutput(rid, [int(t) for t in prompt] if _is_int_list(prompt) else [])
+        out = RequestOutput(rid, _as_ids(prompt))
         self.outputs[rid] = out
         try:
             (ids,) = validate_prompts(self.model, [prompt])
@@ -184,8 +184,9 @@ class Engine:
         return self.outputs
 
 
-def _is_int_list(x) -> bool:
+def _as_ids(prompt) -> list[int]:
+    """The prompt as a list of ints for the output record ([] if it is not one; validation reports why)."""
     try:
-        return all(isinstance(int(t), int) for t in x) and not isinstance(x, (str, bytes))
+        return [int(t) for t in prompt] if not isinstance(prompt, (str, bytes)) else []
     except (TypeError, ValueError):
-        return False
+        return []
