@@ -382,7 +382,7 @@ def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
             dev = place_into(shape, leaf_dtype)
             for name, role, spec, idx in items:
                 part = np.empty(shape[len(idx):], leaf_dtype)
-                _fill(part, (), reader, name, role, config)
+                _fill(part, (), reader, name, role, config, spec)
                 dev = _set_at(dev, part, idx)
                 del part
             _put(params, key, dev)
@@ -402,7 +402,7 @@ def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
                 buf[idx] = w.astype(ml_dtypes.bfloat16).astype(buf.dtype)
         else:
             for name, role, spec, idx in items:
-                _fill(buf, idx, reader, name, role, config)
+                _fill(buf, idx, reader, name, role, config, spec)
         if fp8_rescale is not None and key[-1] == "codes":
             scale_key = key[:-1] + ("scale",)
             sbuf = np.empty(leaves[scale_key][0], np.uint8)
@@ -423,9 +423,12 @@ def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
 _ASSEMBLE_ON_DEVICE_BYTES = 64 << 20
 
 
-def _fill(buf: np.ndarray, idx: tuple, reader: "CheckpointReader", name: str, role: str, config: ModelConfig) -> None:
+def _fill(buf: np.ndarray, idx: tuple, reader: "CheckpointReader", name: str, role: str, config: ModelConfig,
+          spec: TensorSpec) -> None:
     """Copy one checkpoint tensor into its place in a leaf buffer, converting as its role says."""
     arr = reader.get(name)
+    if spec.input_major:
+        arr = arr.T
     if role == "index":
         if arr.size and (arr.min() < 0 or arr.max() >= config.n_routed_experts):
             raise CheckpointError(f"tensor {name!r} holds expert ids outside [0, {config.n_routed_experts})")
@@ -512,6 +515,10 @@ def is_converted(folder: str) -> bool:
     return os.path.exists(os.path.join(folder, _CONVERTED_MARKER))
 
 
+# v2: the output head is stored input-major ([d, V], param_spec.py)
+_CONVERTED_FORMAT = "jdeep-orbax-v2"
+
+
 def save_converted(folder: str, config: ModelConfig, params: dict, dtype: str) -> None:
     """Save the converted param tree with Orbax, plus config.json, so `jdeep.load` skips conversion."""
     if config.engram is not None:
@@ -526,7 +533,7 @@ def save_converted(folder: str, config: ModelConfig, params: dict, dtype: str) -
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config.to_dict(), f, indent=2)
     with open(os.path.join(folder, _CONVERTED_MARKER), "w", encoding="utf-8") as f:
-        json.dump({"format": "jdeep-orbax-v1", "dtype": dtype}, f)
+        json.dump({"format": _CONVERTED_FORMAT, "dtype": dtype}, f)
 
 
 def restore_converted(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any) -> dict:
@@ -534,7 +541,11 @@ def restore_converted(folder: str, config: ModelConfig, plan: LayerPlan, dtype: 
 
     folder = os.path.abspath(folder)
     with open(os.path.join(folder, _CONVERTED_MARKER), encoding="utf-8") as f:
-        saved_dtype = json.load(f).get("dtype")
+        marker = json.load(f)
+    if marker.get("format") != _CONVERTED_FORMAT:
+        raise ConfigError(f"{folder} was converted by an older jdeep (format {marker.get('format')!r}, this jdeep reads "
+                          f"{_CONVERTED_FORMAT!r}): convert the original checkpoint again with `jdeep convert`")
+    saved_dtype = marker.get("dtype")
     if np.dtype(saved_dtype) != np.dtype(dtype):
         raise ConfigError(f"{folder} was converted with dtype {saved_dtype}; load it with dtype={saved_dtype!r}")
     target = abstract_params(config, plan, dtype)

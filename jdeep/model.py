@@ -20,7 +20,6 @@ import numpy as np
 from .config import ModelConfig
 from .layers.block import block, block_v41
 from .layers.chunk import make_chunk
-from .layers.linear import linear_f32
 from .layers.mhc import hc_collapse, hc_head_collapse
 from .layers.norm import rms_norm
 from .layers.rope import inv_freq
@@ -172,8 +171,14 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     if streams:
         if recorded is None:
             raise ValueError("streams=True is implemented for DeepSeek-V4.1 models")
-        return linear_f32(h, params["head"]), new_state, recorded
-    return linear_f32(h, params["head"]), new_state
+        return _head(h, params["head"]), new_state, recorded
+    return _head(h, params["head"]), new_state
+
+
+def _head(h: jax.Array, head: jax.Array) -> jax.Array:
+    """Logits fp32 [..., V] = h [..., d] · head [d, V] (input-major, see param_spec), operands in fp32."""
+    return jax.lax.dot_general(h.astype(jnp.float32), head.astype(jnp.float32), (((h.ndim - 1,), (0,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST)
 
 
 @functools.lru_cache(maxsize=None)

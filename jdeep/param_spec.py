@@ -3,9 +3,13 @@ jdeep's parameter tree. The loader, the random-weight writer and `jdeep info` al
 
 Parameter tree (all leaves of one layer kind stacked layer-major, see plan.py):
 
-    {"embed": [V, d], "head": [V, d], "norm": [d], "hc_head_fn": [n, n*d] f32, "hc_head_base": [n] f32,
+    {"embed": [V, d], "head": [d, V], "norm": [d], "hc_head_fn": [n, n*d] f32, "hc_head_base": [n] f32,
      "hc_head_scale": [1] f32,
      "segments": [ [ {layer tree of slot 0, leaves [reps, ...]}, ... ], ... ]}
+
+The output head is the one leaf stored input-major ([d, V], the checkpoint's [V, d] transposed at load): XLA:CPU's
+GEMM for a few rows times a PyTorch-layout [N, K] matrix is 5x slower than with [K, N] at 2..8 rows, and the
+vocab-sized head dominated batched decode steps (benchmarks/notes in model.py).
 
 A layer tree mirrors the checkpoint names without the `.weight` suffix; routed experts are stacked
 on an expert axis: `ffn.w1` [E, I, d], `ffn.w2` [E, d, I], `ffn.w3` [E, I, d].
@@ -47,6 +51,7 @@ class TensorSpec:
     expert: int | None = None  # routed-expert index: stacked on the tree leaf's axis 0
     fmt: str = FLOAT
     block: tuple[int, int] = (128, 128)  # fp8 weight block (rows, cols)
+    input_major: bool = False  # float [N, K] weight kept transposed ([K, N]) in the tree
 
     @property
     def scale_name(self) -> str:
@@ -79,14 +84,14 @@ def tree_leaves(spec: TensorSpec) -> list[tuple[tuple[str, ...], tuple[int, ...]
         return [(spec.path + ("codes",), spec.shape, "u8"), (spec.path + ("scale",), spec.scale_shape, "u8")]
     if spec.fmt == FP4:
         return [(spec.path + ("packed",), spec.stored_shape, "u8"), (spec.path + ("scale",), spec.scale_shape, "u8")]
-    return [(spec.path, spec.shape, "model")]
+    return [(spec.path, spec.shape[::-1] if spec.input_major else spec.shape, "model")]
 
 
 def top_specs(c: ModelConfig) -> list[TensorSpec]:
     n, d = c.hc_mult, c.dim
     specs = [
         TensorSpec("embed.weight", ("embed",), (c.vocab_size, d), WEIGHT),
-        TensorSpec("head.weight", ("head",), (c.vocab_size, d), WEIGHT),
+        TensorSpec("head.weight", ("head",), (c.vocab_size, d), WEIGHT, input_major=True),
         TensorSpec("norm.weight", ("norm",), (d,), WEIGHT),
     ]
     if c.is_v41:   # V4.1 collapses the streams with the last layer's delayed pre-mix: no head mixer

@@ -119,7 +119,8 @@ def test_param_tree_layout(model, file_tensors):
     assert [(s.first_layer, [k.name for k in s.pattern], s.reps) for s in plan.segments] == \
         [(0, ["sliding_hash"], 1), (1, ["csa4", "hca16"], 2)]
     E, I, d, V = c.n_routed_experts, c.moe_inter_dim, c.dim, c.vocab_size
-    assert params["embed"].shape == (V, d) and params["head"].shape == (V, d)
+    assert params["embed"].shape == (V, d) and params["head"].shape == (d, V)    # head input-major
+    np.testing.assert_array_equal(np.asarray(params["head"]), file_tensors["head.weight"].T)
     assert params["hc_head_fn"].shape == (c.hc_mult, c.hc_mult * d)
     assert len(params["segments"]) == len(plan.segments)
     for s, seg in enumerate(plan.segments):
@@ -479,6 +480,11 @@ def test_orbax_round_trip(tmp_path, model, logits):
     np.testing.assert_array_equal(l2, logits)
     with pytest.raises(ConfigError, match="float32"):
         jdeep.load(out, dtype="bfloat16")
+    marker = os.path.join(out, "jdeep_converted.json")
+    with open(marker, "w") as f:       # a folder converted by an older jdeep (a different param layout)
+        json.dump({"format": "jdeep-orbax-v1", "dtype": "float32"}, f)
+    with pytest.raises(ConfigError, match="jdeep convert"):
+        jdeep.load(out)
 
 
 def test_bfloat16_forward_close_to_float32(single, logits):

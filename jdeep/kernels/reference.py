@@ -67,26 +67,42 @@ def _weights(w, select, numerics, dtype) -> jax.Array:
     return dequant({k: select(v) for k, v in w.items()}, numerics, dtype)
 
 
+def _expert(a: jax.Array, layer: jax.Array, e: jax.Array) -> jax.Array:
+    """a[layer, e] of a stacked [R, E, ...] array, as one dynamic slice (a contiguous copy, not a gather)."""
+    start = (layer, e) + (0,) * (a.ndim - 2)
+    return jax.lax.dynamic_slice(a, start, (1, 1) + a.shape[2:])[0, 0]
+
+
 @register("moe_experts_gather")
 def moe_experts_gather(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w3, layer: jax.Array,
                        limit: float, numerics=None) -> jax.Array:
-    """Routed experts by gathering each token's k expert matrices (small token counts: decode).
+    """Routed experts for small token counts (decode): one (token, expert) pair at a time.
 
     x [T, d]; idx int32 [T, k]; weight fp32 [T, k]; w1, w3 [R, E, I, d], w2 [R, E, d, I] (all layers,
-    `layer` picks one; float arrays or quantized leaves). The routing weight multiplies the activation
-    before w2 (which is then act-quantised under DeepSeek's numerics). Returns fp32 [T, d].
+    `layer` picks one; float arrays or quantized leaves). A scan over the T*k pairs slices the chosen
+    expert's matrices out of the stack (only those bytes are read or decoded) and applies them to its token:
+    XLA's gather of whole expert matrices is far slower than dynamic slices on CPU once T > 1. The routing
+    weight multiplies the activation before w2 (which is then act-quantised under DeepSeek's numerics).
+    Returns fp32 [T, d].
     """
-    def pick(a):
-        return a[layer, idx]
-
-    W1, W3, W2 = (_weights(w, pick, numerics, x.dtype) for w in (w1, w3, w2))   # [T, k, I, d] / [T, k, d, I]
+    T, k = idx.shape
     q = isinstance(w1, dict)
-    xa = _act(x, numerics, q)
-    h1 = jnp.einsum("td,tkid->tki", xa, W1, precision=HIGHEST, preferred_element_type=jnp.float32)
-    h3 = jnp.einsum("td,tkid->tki", xa, W3, precision=HIGHEST, preferred_element_type=jnp.float32)
-    a = _act((_swiglu(h1, h3, limit) * weight[..., None]).astype(x.dtype), numerics, q)
-    y = jnp.einsum("tki,tkdi->tkd", a, W2, precision=HIGHEST, preferred_element_type=jnp.float32)
-    return jnp.sum(y, axis=1)
+    rows = jnp.repeat(_act(x, numerics, q), k, axis=0)                  # [T*k, d]
+    experts, wts = idx.reshape(-1), weight.reshape(-1)
+
+    def pair(_, i):
+        def pick(a):
+            return _expert(a, layer, experts[i])
+
+        W1, W3, W2 = (_weights(w, pick, numerics, x.dtype) for w in (w1, w3, w2))   # [I, d], [I, d], [d, I]
+        xi = rows[i][None]
+        h1 = jnp.einsum("td,id->ti", xi, W1, precision=HIGHEST, preferred_element_type=jnp.float32)
+        h3 = jnp.einsum("td,id->ti", xi, W3, precision=HIGHEST, preferred_element_type=jnp.float32)
+        a = _act((_swiglu(h1, h3, limit) * wts[i]).astype(x.dtype), numerics, q)
+        return None, jnp.einsum("ti,di->td", a, W2, precision=HIGHEST, preferred_element_type=jnp.float32)[0]
+
+    _, y = jax.lax.scan(pair, None, jnp.arange(T * k))                 # [T*k, d] fp32
+    return jnp.sum(y.reshape(T, k, -1), axis=1)
 
 
 @register("moe_experts_grouped")
