@@ -33,6 +33,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     V4.1: fp8 window entries, fp4 compressed KV with e4m3 scales, fp4 index keys) instead of float rows;
     needs quantize_activations (the KV QAT makes the records exact).
     progress: a progress bar over the checkpoint's tensors (tqdm, on stderr).
+    The folder's tokenizer.json, if any, becomes `model.tokenizer` (text prompts and stop strings).
     """
     import jax
     import jax.numpy as jnp
@@ -84,4 +85,9 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         from .engram import EngramHost
 
         engram = EngramHost.load(path, config.engram)
-    return Model(config, plan, params, jdtype, numerics, engram)
+    tokenizer = None
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from .serve.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(path)
+    return Model(config, plan, params, jdtype, numerics, engram, tokenizer)

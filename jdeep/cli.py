@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -176,8 +178,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from jdeep.serve.bench import format_report, run_bench
 
     if args.compare:
-        raise SystemExit("jdeep bench: --compare transformers is not implemented yet (it needs torch and "
-                         "transformers: pip install 'jdeep[reference]')")
+        from jdeep.serve.compare import require_transformers
+
+        try:
+            require_transformers()
+        except ImportError as e:
+            raise SystemExit(f"jdeep bench: {e}") from None
     try:
         sizes = [int(b) for b in args.batch_size.split(",") if b]
     except ValueError:
@@ -191,12 +197,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     raw = json.load(f)
             random_checkpoint(raw, tmp, seed=args.seed, dtype=args.dtype)
             folder = tmp
+        if args.compare:
+            from jdeep.config import ModelConfig
+            from jdeep.serve.compare import hf_config
+
+            hf_config(ModelConfig.from_file(folder))     # an incomparable checkpoint fails before loading
         model = jdeep.load(folder, dtype=args.dtype, progress=True)
         prompts = None
         if args.prompts_file:
             with open(args.prompts_file, encoding="utf-8") as f:
                 prompts = [json.loads(ln)["prompt_ids"] for ln in f if ln.strip()]
-        result = run_bench(model, args.input_len, args.output_len, sizes, seed=args.seed, prompts=prompts)
+        result = run_bench(model, args.input_len, args.output_len, sizes, seed=args.seed, prompts=prompts,
+                           compare_transformers=folder if args.compare else None)
     print(format_report(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -260,6 +272,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
                          "their tables stay memory-mapped in the original safetensors — use the original folder")
     model = jdeep.load(args.model, dtype=args.dtype)
     save_converted(args.out, model.config, model.params, args.dtype)
+    for name in ("tokenizer.json", "tokenizer_config.json"):   # text prompts keep working on the converted folder
+        if os.path.isfile(os.path.join(args.model, name)):
+            shutil.copy(os.path.join(args.model, name), os.path.join(args.out, name))
     print(f"wrote {args.out}")
     return 0
 
@@ -334,7 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     b.add_argument("--json", help="write the full result (schema jdeep.bench/1, see jdeep/serve/bench.py)")
     b.add_argument("--plot", help="write a PNG of the sweep (needs matplotlib)")
-    b.add_argument("--compare", choices=["transformers"], help="also run the transformers model (not yet)")
+    b.add_argument("--compare", choices=["transformers"],
+                   help="also run transformers' DeepseekV4ForCausalLM on the same checkpoint, dtype and prompts and "
+                        "print jdeep/transformers ratios (unquantized DeepSeek-V4 only; pip install 'jdeep[compare]')")
     _cache_args(b)
     b.set_defaults(fn=cmd_bench)
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from .model import Model, model_step
 from .serve.sampling import SamplingParams, batch_params, sample
+from .serve.stops import StopMatcher
 
 __all__ = ["GenerateOutput", "generate", "forward", "prefill", "validate_prompts", "length_bucket"]
 
@@ -30,14 +31,22 @@ class GenerateOutput:
     tokens: np.ndarray               # int32 [B, max_new_tokens]; -1 after a request ended (stop token / EOS kept)
     logits: np.ndarray | None        # float32 [B, max_new_tokens, vocab]; row 0 = last prompt position; NaN after the end
     lengths: np.ndarray | None = None  # int [B]: tokens generated per request
+    texts: list[str] | None = None   # the generated text per request (cut before a stop string), given a tokenizer
 
 
-def validate_prompts(model: Model, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+def validate_prompts(model: Model, prompts: Sequence[Sequence[int] | str], tokenizer=None) -> list[np.ndarray]:
+    """Prompts (token-id lists, or strings encoded with `tokenizer`) -> int32 id arrays; ValueError naming
+    the first bad prompt."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
+        raise ValueError("prompts must be a non-empty list of token-id lists (or of strings, with a tokenizer)")
     out = []
     V = model.config.vocab_size
     for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError(f"prompt {i} is text but the model has no tokenizer (no tokenizer.json in its "
+                                 "folder): pass token ids or tokenizer=")
+            p = tokenizer.encode(p)
         a = np.asarray(p)
         if a.ndim != 1 or a.size == 0:
             raise ValueError(f"prompt {i} must be a non-empty 1-D list of token ids, got shape {a.shape}")
@@ -114,22 +123,28 @@ def _sampling_for(n: int, sampling, max_new_tokens: int, temperature: float, see
     return sampling
 
 
-def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, temperature: float = 0.0,
+def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_tokens: int = 16, temperature: float = 0.0,
              return_logits: bool = False, seed: int = 0, prefill_chunk: int = 512,
              sampling: SamplingParams | Sequence[SamplingParams] | None = None, ignore_eos: bool = False,
-             stream: Callable[[list[list[int]]], None] | None = None, stream_every: int = 16) -> GenerateOutput:
-    """Generate after each prompt of a ragged batch of token-id lists.
+             stream: Callable[[list[list[int]]], None] | None = None, stream_every: int = 16,
+             tokenizer=None) -> GenerateOutput:
+    """Generate after each prompt of a ragged batch of token-id lists or strings.
 
     sampling: one SamplingParams for every prompt or one per prompt (temperature, top-k, top-p, min-p,
-    seed, max_new_tokens, stop_token_ids); without it, `max_new_tokens`, `temperature` and `seed` apply
-    (prompt i seeded seed + i). A request ends at its max_new_tokens, at one of its stop tokens or at the
-    model's EOS (kept in the output; `ignore_eos` disables the EOS stop).
+    seed, max_new_tokens, stop_token_ids, stop strings); without it, `max_new_tokens`, `temperature` and
+    `seed` apply (prompt i seeded seed + i). A request ends at its max_new_tokens, at one of its stop tokens
+    or at the model's EOS (kept in the output; `ignore_eos` disables the EOS stop), or once its text
+    contains one of its stop strings (checked on the host between blocks; the tokens after the one that
+    completed it are dropped, and `texts` ends before it).
+    tokenizer: for text prompts, stop strings and `texts` (default: model.tokenizer, from the folder's
+    tokenizer.json).
     The decode loop runs on the device in blocks of `stream_every` steps with a fixed trip count and
     per-sequence done masks; between blocks `stream(new_tokens)` (if given) receives each request's tokens
     since the last call, and generation ends early once every request is done. Models with Engram layers
     decode one step per block (their table rows are gathered on the host from the token just sampled).
     """
-    prompts = validate_prompts(model, prompts)
+    tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+    prompts = validate_prompts(model, prompts, tokenizer)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and np.isfinite(temperature)
@@ -141,8 +156,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
         raise ValueError(f"stream_every must be positive, got {stream_every}")
     V = model.config.vocab_size
     params = [p.validate(V) for p in _sampling_for(len(prompts), sampling, max_new_tokens, temperature, seed)]
-    if any(p.stop for p in params):
-        raise ValueError("stop strings need a tokenizer: pass stop_token_ids for token prompts")
+    if any(p.stop for p in params) and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer (the model has no tokenizer.json): use stop_token_ids")
     n_new = max(p.max_new_tokens for p in params)
     longest = max(len(pr) + p.max_new_tokens for pr, p in zip(prompts, params))
     limit = model.config.max_position_embeddings
@@ -170,8 +185,33 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     done = jnp.any(tok[:, None] == stops, axis=-1) | (max_new <= 1) | (lens == 0)
     carry = (tok, jnp.ones((Bb,), jnp.int32), done)
     tokens, logits = [np.asarray(tok)[:, None]], [np.asarray(first)[:, None]] if return_logits else None
-    if stream is not None:
-        stream([[int(t)] for t in tokens[0][:B, 0]])
+    matchers = {b: StopMatcher(tokenizer, p.stop) for b, p in enumerate(params) if p.stop}
+    kept = np.full(B, n_new)          # tokens kept per request (a stop string ends one early)
+    sent = np.zeros(B, int)           # tokens already streamed per request
+
+    def after_block(new: np.ndarray) -> None:
+        """Stop strings and streaming for a block of new tokens [Bb, n] (-1 = ended)."""
+        nonlocal carry
+        stopped = []
+        for b, m in matchers.items():
+            if not m.stopped:
+                m.push(t for t in new[b] if t >= 0)
+                if m.stopped:
+                    kept[b] = m.n_tokens
+                    stopped.append(b)
+        if stopped:                                  # end those rows on the device too
+            done = np.array(carry[2])
+            done[stopped] = True
+            carry = (carry[0], carry[1], jnp.asarray(done))
+        if stream is not None:
+            chunks = []
+            for b in range(B):
+                row = [int(t) for t in new[b] if t >= 0][:max(0, kept[b] - sent[b])]
+                sent[b] += len(row)
+                chunks.append(row)
+            stream(chunks)
+
+    after_block(tokens[0])
     step_fn = _Hashable(functools.partial(model_step, config=model.config, plan=model.plan, numerics=model.numerics,
                                           all_logits=False), (model.config, model.plan, model.numerics))
     # power-of-two blocks: a handful of compiled programs whatever max_new_tokens is
@@ -190,8 +230,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
         if return_logits:
             logits.append(np.asarray(lg).transpose(1, 0, 2))
         produced += block
-        if stream is not None:
-            stream([[int(t) for t in row if t >= 0] for row in toks[:B]])
+        after_block(toks)
     out = np.concatenate(tokens, axis=1)[:B, :n_new]
     out_logits = None
     if return_logits:
@@ -201,8 +240,16 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
             out_logits = np.concatenate([out_logits, pad], axis=1)
     if out.shape[1] < n_new:
         out = np.concatenate([out, np.full((B, n_new - out.shape[1]), -1, np.int32)], axis=1)
+    for b in range(B):                     # tokens after a stop string's last token are dropped
+        out[b, kept[b]:] = -1
+        if out_logits is not None:
+            out_logits[b, kept[b]:] = np.nan
     lengths = np.sum(out >= 0, axis=1)
-    return GenerateOutput(out, out_logits, lengths)
+    texts = None
+    if tokenizer is not None:
+        texts = [matchers[b].text if b in matchers and matchers[b].stopped else tokenizer.decode(out[b, :lengths[b]])
+                 for b in range(B)]
+    return GenerateOutput(out, out_logits, lengths, texts)
 
 
 class _Hashable:

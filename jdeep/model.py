@@ -188,6 +188,23 @@ def compiled_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_
     return jax.jit(fn, donate_argnums=(1,))
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_rows_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool, rows: int
+                       ) -> Callable:
+    """A step over the first `rows` sequence slots of a larger state (a batch-size bucket): those rows of
+    every state leaf ([R, B, ...]) are sliced out, stepped and written back in place (state donated); the
+    other slots are neither read nor changed. Tokens, positions and logits have `rows` rows."""
+    fn = functools.partial(model_step, config=config, plan=plan, numerics=numerics, all_logits=all_logits)
+
+    def step(params, state, tokens, positions, engram=None):
+        sub = jax.tree_util.tree_map(lambda a: a[:, :rows], state)
+        logits, sub = fn(params, sub, tokens, positions, engram)
+        state = jax.tree_util.tree_map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=1), state, sub)
+        return logits, state
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
 @dataclass
 class Model:
     """A loaded model: config, layer plan, device params and the compiled step functions."""
@@ -198,10 +215,14 @@ class Model:
     dtype: Any
     numerics: Numerics = Numerics()
     engram: Any = None   # jdeep.engram.EngramHost for models with Engram layers
+    tokenizer: Any = None  # jdeep.serve.Tokenizer when the checkpoint folder has a tokenizer.json
 
-    def step_fn(self, all_logits: bool) -> Callable:
-        """jit-compiled `model_step(params, state, tokens, positions, engram=None)`, state donated."""
-        return compiled_step(self.config, self.plan, self.numerics, all_logits)
+    def step_fn(self, all_logits: bool, rows: int | None = None) -> Callable:
+        """jit-compiled `model_step(params, state, tokens, positions, engram=None)`, state donated. With
+        `rows`, the step runs only the state's first `rows` sequence slots (compiled_rows_step)."""
+        if rows is None:
+            return compiled_step(self.config, self.plan, self.numerics, all_logits)
+        return compiled_rows_step(self.config, self.plan, self.numerics, all_logits, rows)
 
     def new_history(self, batch: int) -> Any:
         """Host-side per-sequence Engram histories (None for models without Engram)."""

@@ -3,9 +3,12 @@
 The decode state is allocated once for `max_num_seqs` slots (a power of two) and `max_len` tokens.
 Requests wait in a queue, take a free slot (its rows of the state are reset, nothing is reallocated),
 prefill in chunks, decode one token per engine step alongside every other running request, and leave
-their slot when they meet their length, a stop token or EOS. Every step runs the whole pool through one
-compiled program per shape (decode: [slots, 1]; prefill: [slots, chunk bucket]); idle rows carry position
--1, so they neither write state nor disturb the others: a request's tokens do not depend on its company.
+their slot when they meet their length, a stop token, EOS or a stop string. A step runs the smallest
+power-of-two prefix of the slots that holds every active request (a batch-size bucket; requests take the
+lowest free slot), with one compiled program per (bucket, chunk length) — decode: [bucket, 1], prefill:
+[bucket, chunk bucket]; idle rows inside the bucket carry position -1, so they neither write state nor
+disturb the others: a request's tokens do not depend on its company. (Models with Engram layers always
+step the whole pool: their host-side n-gram histories are per pool row.)
 
 Bad requests (invalid sampling values, out-of-vocabulary ids, prompts that do not fit) finish at once
 with finish_reason "error" and a message; the engine keeps serving the rest.
@@ -26,7 +29,8 @@ import numpy as np
 from ..generate import length_bucket, validate_prompts
 from ..model import Model
 from ..state import reset_slots
-from .sampling import SamplingParams, batch_params, sample
+from .sampling import SamplingBatch, SamplingParams, batch_params, sample
+from .stops import StopMatcher
 
 __all__ = ["Engine", "RequestOutput"]
 
@@ -37,8 +41,9 @@ class RequestOutput:
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None     # "stop" (stop token / EOS), "length" or "error"
+    finish_reason: str | None = None     # "stop" (stop token / EOS / stop string), "length" or "error"
     error: str | None = None
+    text: str | None = None              # the generated text (cut before a stop string), given a tokenizer
 
 
 @dataclass
@@ -46,6 +51,7 @@ class _Slot:
     out: RequestOutput
     params: SamplingParams
     stops: tuple[int, ...]
+    matcher: StopMatcher | None = None   # stop strings
     prefilled: int = 0                   # prompt tokens already in the state
 
 
@@ -57,7 +63,8 @@ class Engine:
     """engine = Engine(model, max_num_seqs=8); engine.add_request(ids, SamplingParams(...)); engine.run()."""
 
     def __init__(self, model: Model, max_num_seqs: int = 8, max_len: int = 2048, prefill_chunk: int = 256,
-                 seed: int = 0, ignore_eos: bool = False):
+                 seed: int = 0, ignore_eos: bool = False, tokenizer=None):
+        """tokenizer: for text prompts, stop strings and RequestOutput.text (default: model.tokenizer)."""
         if max_num_seqs < 1 or max_len < 2 or prefill_chunk < 1:
             raise ValueError(f"max_num_seqs, max_len and prefill_chunk must be positive, got {max_num_seqs}, "
                              f"{max_len}, {prefill_chunk}")
@@ -78,19 +85,23 @@ class Engine:
         self._params = [SamplingParams()] * self.n_slots
         self._sb = None
         self._last = np.zeros(self.n_slots, np.int32)
+        self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        self.steps_per_bucket: dict[int, int] = {}    # engine steps run at each batch-size bucket
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt: Sequence[int], sampling: SamplingParams | None = None,
+    def add_request(self, prompt: Sequence[int] | str, sampling: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue a request; returns its id. An invalid request is finished at once with an error."""
+        """Queue a request (token ids, or text with a tokenizer); returns its id. An invalid request is
+        finished at once with an error."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         out = RequestOutput(rid, _as_ids(prompt))
         self.outputs[rid] = out
         try:
-            (ids,) = validate_prompts(self.model, [prompt])
+            (ids,) = validate_prompts(self.model, [prompt], self.tokenizer)
+            out.prompt = ids.tolist()
             p = (sampling or SamplingParams()).validate(self.model.config.vocab_size)
-            if p.stop:
-                raise ValueError("stop strings need a tokenizer: use stop_token_ids")
+            if p.stop and self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer (the model has no tokenizer.json): use stop_token_ids")
             if len(ids) + p.max_new_tokens > self.max_len:
                 raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
                                  f"engine's max_len {self.max_len}")
@@ -99,7 +110,8 @@ class Engine:
             return rid
         if p.seed is None:
             p = dataclasses.replace(p, seed=self.seed + len(self.outputs) - 1)
-        self.waiting.append(_Slot(out, p, tuple(dict.fromkeys(tuple(p.stop_token_ids) + self.eos))))
+        matcher = StopMatcher(self.tokenizer, p.stop) if p.stop else None
+        self.waiting.append(_Slot(out, p, tuple(dict.fromkeys(tuple(p.stop_token_ids) + self.eos)), matcher))
         return rid
 
     @property
@@ -123,15 +135,27 @@ class Engine:
                 self.history.reset(taken)
             self._sb = batch_params(self._params, self.n_slots)
 
-    def _run(self, toks: np.ndarray, pos: np.ndarray) -> jax.Array:
+    def _bucket(self, rows: list[int]) -> int:
+        """The batch-size bucket holding `rows`: the smallest power of two > max(rows) (the pool without one)."""
+        if self.model.engram is not None:
+            return self.n_slots
+        return min(self.n_slots, 1 << max(rows).bit_length())
+
+    def _run(self, toks: np.ndarray, pos: np.ndarray, rows: list[int]) -> jax.Array:
+        """One step of the bucket holding `rows` (toks, pos: [n_slots, S]); returns logits [bucket, V]."""
+        n = self._bucket(rows)
+        self.steps_per_bucket[n] = self.steps_per_bucket.get(n, 0) + 1
+        toks, pos = toks[:n], pos[:n]
         eng = self.model.engram_inputs(self.history, toks, pos)
-        logits, self.state = self.model.step_fn(all_logits=False)(self.model.params, self.state, jnp.asarray(toks),
-                                                                 jnp.asarray(pos), eng)
+        step = self.model.step_fn(all_logits=False, rows=None if n == self.n_slots else n)
+        logits, self.state = step(self.model.params, self.state, jnp.asarray(toks), jnp.asarray(pos), eng)
         return logits
 
     def _emit(self, logits: jax.Array, rows: list[int]) -> list[RequestOutput]:
-        counts = np.array([len(s.out.tokens) if s is not None else 0 for s in self.slots], np.int32)
-        nxt = np.asarray(_sample(logits, self._sb, jnp.asarray(counts)))
+        n = logits.shape[0]
+        counts = np.array([len(s.out.tokens) if s is not None else 0 for s in self.slots[:n]], np.int32)
+        sb = self._sb if n == self.n_slots else SamplingBatch(*(a[:n] for a in self._sb))
+        nxt = np.asarray(_sample(logits, sb, jnp.asarray(counts)))
         done = []
         for i in rows:
             s = self.slots[i]
@@ -139,11 +163,22 @@ class Engine:
             s.out.tokens.append(t)
             self._last[i] = t
             reason = "stop" if t in s.stops else ("length" if len(s.out.tokens) >= s.params.max_new_tokens else None)
+            if s.matcher is not None:
+                s.matcher.push([t])
+                if s.matcher.stopped:
+                    reason = "stop"
             if reason:
-                s.out.finished, s.out.finish_reason = True, reason
+                self._finish(s, reason)
                 self.slots[i] = None
                 done.append(s.out)
         return done
+
+    def _finish(self, s: _Slot, reason: str) -> None:
+        s.out.finished, s.out.finish_reason = True, reason
+        if s.matcher is not None and s.matcher.stopped:
+            s.out.text = s.matcher.text
+        elif self.tokenizer is not None:
+            s.out.text = self.tokenizer.decode(s.out.tokens)
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration: admit waiting requests, then either one prefill chunk (while any admitted
@@ -160,7 +195,7 @@ class Engine:
                 toks[i, :k] = s.out.prompt[s.prefilled:s.prefilled + k]
                 pos[i, :k] = np.arange(s.prefilled, s.prefilled + k)
                 s.prefilled += k
-            logits = self._run(toks, pos)
+            logits = self._run(toks, pos, prefilling)
             return self._emit(logits, [i for i in prefilling if self.slots[i].prefilled == len(self.slots[i].out.prompt)])
         running = [i for i, s in enumerate(self.slots) if s is not None]
         if not running:
@@ -170,7 +205,7 @@ class Engine:
         for i in running:
             s = self.slots[i]
             pos[i, 0] = len(s.out.prompt) + len(s.out.tokens) - 1
-        return self._emit(self._run(toks, pos), running)
+        return self._emit(self._run(toks, pos, running), running)
 
     def run(self, on_finish: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:
         """Step until every queued request has finished; returns all outputs by request id."""

@@ -1,13 +1,15 @@
 """Continuous batching: 64 requests through 8 slots finish, each with exactly the tokens it gets alone
-(in the engine and from jdeep.generate); bad requests fail alone with a clear message."""
+(in the engine and from jdeep.generate), with steps run at batch-size buckets; bad requests fail alone with a
+clear message; text prompts and stop strings (word-level tokenizer: id i <-> "tok<i>")."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 import jdeep
-from jdeep.random_weights import TINY_CONFIG, random_checkpoint
+from jdeep.random_weights import TINY_CONFIG, random_checkpoint, write_word_tokenizer
 from jdeep.serve import SamplingParams
 from jdeep.serve.engine import Engine
 
@@ -16,6 +18,7 @@ from jdeep.serve.engine import Engine
 def model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny")
     random_checkpoint(TINY_CONFIG, str(folder), seed=31)
+    write_word_tokenizer(str(folder / "tokenizer.json"), TINY_CONFIG["vocab_size"])
     return jdeep.load(folder)
 
 
@@ -32,8 +35,8 @@ def _requests(n=64, seed=0):
     return reqs
 
 
-def _run(model, reqs, **kw):
-    eng = Engine(model, **kw)
+def _run(model, reqs, engine=None, **kw):
+    eng = engine or Engine(model, **kw)
     ids = [eng.add_request(p, s) for p, s in reqs]
     outs = eng.run()
     return [outs[i] for i in ids]
@@ -41,13 +44,17 @@ def _run(model, reqs, **kw):
 
 def test_64_requests_in_8_slots_equal_their_solo_runs(model):
     reqs = _requests()
-    together = _run(model, reqs, max_num_seqs=8, max_len=64, prefill_chunk=16)
+    eng = Engine(model, max_num_seqs=8, max_len=64, prefill_chunk=16)
+    together = _run(model, reqs, eng)
     assert all(o.finished and o.finish_reason in ("stop", "length") for o in together)
+    assert eng.steps_per_bucket[8] > 0 and min(eng.steps_per_bucket) < 8   # full pool, and smaller buckets at the end
     for (prompt, p), o in zip(reqs, together):
         assert 1 <= len(o.tokens) <= p.max_new_tokens
         assert o.finish_reason == "stop" or len(o.tokens) == p.max_new_tokens
-        alone = _run(model, [(prompt, p)], max_num_seqs=8, max_len=64, prefill_chunk=16)[0]
+        solo = Engine(model, max_num_seqs=8, max_len=64, prefill_chunk=16)
+        alone = _run(model, [(prompt, p)], solo)[0]
         assert alone.tokens == o.tokens
+        assert set(solo.steps_per_bucket) == {1}        # a lone request steps a 1-row bucket of the 8-slot pool
     for (prompt, p), o in list(zip(reqs, together))[:8]:        # and the notebook API agrees
         g = jdeep.generate(model, [prompt], sampling=p)
         assert g.tokens[0, :g.lengths[0]].tolist() == o.tokens
@@ -67,3 +74,48 @@ def test_bad_requests_fail_alone(model):
         assert outs[rid].finish_reason == "error" and what in outs[rid].error, outs[rid]
     assert outs[a].finished and len(outs[a].tokens) >= 1 and outs[a].error is None
     assert outs[b].finished and len(outs[b].tokens) >= 1 and outs[b].error is None
+
+
+def test_bucket_step_leaves_other_slots_untouched(model):
+    """A request decoding in slot 0 (bucket 1) while slot 1 waits mid-prefill does not change slot 1's state."""
+    eng = Engine(model, max_num_seqs=2, max_len=64, prefill_chunk=16)
+    eng.add_request([0, 5, 9], SamplingParams(max_new_tokens=6))
+    eng.step()                                          # prefill slot 0 (bucket 1)
+    before = [np.asarray(a)[:, 1].copy() for a in jax.tree_util.tree_leaves(eng.state)]
+    eng.step()                                          # decode slot 0 only
+    assert eng.steps_per_bucket == {1: 2}
+    after = [np.asarray(a)[:, 1] for a in jax.tree_util.tree_leaves(eng.state)]
+    for x, y in zip(before, after):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_text_prompts_and_stop_strings(model):
+    tok = model.tokenizer
+    assert tok is not None                              # the folder's tokenizer.json was picked up by jdeep.load
+    prompt = [0, 5, 9, 33]
+    base = jdeep.generate(model, [prompt], max_new_tokens=8)
+    toks = base.tokens[0, :base.lengths[0]].tolist()
+    assert len(toks) >= 4, toks                         # (a random model that stops early would not test this)
+    assert base.texts == [tok.decode(toks)]
+    text_prompt = jdeep.generate(model, [" ".join(f"tok{i}" for i in prompt)], max_new_tokens=8)
+    np.testing.assert_array_equal(text_prompt.tokens, base.tokens)
+    # a stop string spanning the 2nd and 3rd generated tokens: the request ends at the 3rd, text before the stop
+    w1, w2 = tok.decode([toks[1]]), tok.decode([toks[2]])
+    stop = w1[-2:] + " " + w2[:3]
+    full = tok.decode(toks[:3])
+    want_text = full[:full.index(stop)]
+    sp = SamplingParams(max_new_tokens=8, stop=("never-there", stop))
+    streamed = []
+    g = jdeep.generate(model, [prompt], sampling=sp, stream=lambda new: streamed.append(new[0]), stream_every=2)
+    assert g.tokens[0].tolist() == toks[:3] + [-1] * 5 and g.texts == [want_text]
+    assert sum(streamed, []) == toks[:3]                # nothing after the stop is streamed
+    eng = Engine(model, max_num_seqs=4, max_len=64)
+    rid = eng.add_request(" ".join(f"tok{i}" for i in prompt), sp)
+    other = eng.add_request(prompt, SamplingParams(max_new_tokens=8))
+    outs = eng.run()
+    assert outs[rid].tokens == toks[:3] and outs[rid].finish_reason == "stop" and outs[rid].text == want_text
+    assert outs[other].tokens == toks and outs[other].text == tok.decode(toks)
+    no_tok = Engine(model, max_num_seqs=1, max_len=64)
+    no_tok.tokenizer = None
+    r = no_tok.add_request(prompt, sp)
+    assert no_tok.outputs[r].finish_reason == "error" and "tokenizer" in no_tok.outputs[r].error
