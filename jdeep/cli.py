@@ -188,6 +188,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sizes = [int(b) for b in args.batch_size.split(",") if b]
     except ValueError:
         raise SystemExit(f"jdeep bench: --batch-size must be comma-separated integers, got {args.batch_size!r}") from None
+    if args.dtype is None:
+        import jax
+
+        args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.model
         if folder is None:
@@ -346,7 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", default="1,8", help="comma-separated batch sizes (a sweep)")
     b.add_argument("--prompts-file", help="JSONL with prompt_ids per line instead of random prompts")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    b.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="default: float32 on CPU (XLA:CPU emulates bfloat16 matmuls, several times slower), "
+                        "bfloat16 on accelerators")
     b.add_argument("--json", help="write the full result (schema jdeep.bench/1, see jdeep/serve/bench.py)")
     b.add_argument("--plot", help="write a PNG of the sweep (needs matplotlib)")
     b.add_argument("--compare", choices=["transformers"],

@@ -182,6 +182,20 @@ def test_routed_experts_match_oracle(T):
     assert np.max(np.abs(np.asarray(other) - np.asarray(ga))) > 1e-3
 
 
+@pytest.mark.parametrize("T,k", [(40, 2), (64, 1)])
+def test_grouped_experts_with_every_row_on_few_experts(T, k):
+    """Skewed routing (all rows on experts 0..k-1, groups of T): the tiled grouped matmul's padding and its
+    unused trailing tiles (mapped to the last expert, zero rows) leave the result exact."""
+    rng = np.random.default_rng(50 + T)
+    R, E, d, limit = 1, 8, 16, 2.5
+    w1, w2, w3 = _expert_weights(rng, R, E, d=d)
+    x = rng.normal(size=(T, d)).astype(np.float32)
+    idx = np.tile(np.arange(k, dtype=np.int32), (T, 1))
+    weight = rng.uniform(0.1, 1.5, size=(T, k)).astype(np.float32)
+    args = tuple(jnp.asarray(a) for a in (x, idx, weight, w1, w2, w3)) + (jnp.asarray(0, jnp.int32), limit)
+    close(moe_experts_grouped(*args), experts_np(x, idx, weight, w1, w2, w3, 0, limit), rtol=2e-5, atol=2e-5)
+
+
 def test_routing_weight_applied_before_w2_and_act_rounding():
     """bf16 activations: a = bf16(silu(g) u w) is formed with the routing weight BEFORE w2 (spec §4.5,
     gotcha 7). Weighting after w2 is the same map in exact arithmetic but rounds differently, so the
