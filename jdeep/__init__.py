@@ -18,7 +18,8 @@ __version__ = "0.1.0"
 
 
 def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: bool | None = None,
-         fp8_max: float = 448.0, packed_kv: bool = False, progress: bool = False) -> Model:
+         fp8_max: float | None = None, packed_kv: bool = False, progress: bool = False,
+         compile_mode: str | None = None, host_embedding: bool = False) -> Model:
     """Load a DeepSeek-V4 checkpoint folder (HF layout: config.json + safetensors) or a folder written
     by `jdeep convert` (Orbax).
 
@@ -29,17 +30,25 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     quantized but runs activations, KV and indexer in float (the transformers numerics).
     fp8_max: 448 (OCP e4m3fn, DeepSeek's) or 240 / 224 for Trainium2's e4m3: activations and KV are
     quantized to that range and checkpoint fp8 weights are rescaled into it at load (trn2_rescale).
+    Default: the platform's (240 on trn1/trn2, else 448; jdeep/platform.py).
     packed_kv: keep window and compressed KV as uint8 records (V4: fp8 codes, rope bytes, ue8m0 exponents;
     V4.1: fp8 window entries, fp4 compressed KV with e4m3 scales, fp4 index keys) instead of float rows;
     needs quantize_activations (the KV QAT makes the records exact).
     progress: a progress bar over the checkpoint's tensors (tqdm, on stderr).
+    compile_mode: "scan" (one program per step, layers under lax.scan) or "regions" (a host loop over
+    layers, each layer kind's attention and FFN halves compiled once); default $JDEEP_COMPILE_MODE, else
+    the platform's (regions on Neuron, scan elsewhere).
+    host_embedding: keep the token embedding table in host memory and gather the rows there; the device
+    receives hidden states (same logits).
     The folder's tokenizer.json, if any, becomes `model.tokenizer` (text prompts and stop strings).
+    On Neuron, load also sets the compiler's environment (platform.configure_neuron).
     """
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from . import checkpoint
+    from . import platform as platforms
     from .model import as_jax_dtype
     from .plan import build_plan
 
@@ -47,6 +56,12 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint folder at {path}")
     jdtype = as_jax_dtype(dtype)
+    plat = platforms.current()
+    mode = platforms.compile_mode(compile_mode, plat)
+    if plat.is_neuron:
+        platforms.configure_neuron(generation=plat.generation)
+    if fp8_max is None:
+        fp8_max = plat.fp8_max
     config = ModelConfig.from_file(path)
     plan = build_plan(config)
     numerics = Numerics.for_config(config, quantize_activations, fp8_max, packed_kv)
@@ -90,4 +105,9 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         from .serve.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(path)
-    return Model(config, plan, params, jdtype, numerics, engram, tokenizer)
+    host_embed = None
+    if host_embedding:
+        embed = params.pop("embed")
+        host_embed = np.asarray(embed)
+        embed.delete()
+    return Model(config, plan, params, jdtype, numerics, engram, tokenizer, compile_mode=mode, host_embed=host_embed)

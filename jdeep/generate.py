@@ -86,26 +86,53 @@ def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: in
     return last, state
 
 
+def _advance(logits, carry, lens, sb, stops, max_new, keep_logits):
+    """After one decode step: sample the next tokens and update carry = (tok [B], count [B], done [B])."""
+    tok, count, done = carry
+    nxt = jnp.where(done, -1, sample(logits, sb, count))
+    count = count + (~done).astype(jnp.int32)
+    done = done | jnp.any(nxt[:, None] == stops, axis=-1) | (count >= max_new)
+    out_logits = jnp.where((nxt < 0)[:, None], jnp.nan, logits) if keep_logits else None
+    return (nxt, count, done), out_logits
+
+
+def _feed(carry, lens):
+    """The (tokens [B, 1], positions [B, 1]) a decode step feeds; a done row feeds position -1 (no writes)."""
+    tok, count, done = carry
+    return jnp.maximum(tok, 0)[:, None], jnp.where(done, -1, lens + count - 1)[:, None]
+
+
 def _decode_block(params, state, engram, carry, lens, sb, stops, max_new, *, model_step_fn, n_steps, keep_logits):
     """n_steps decode steps on the device. carry = (tok [B] last token, count [B] tokens generated so far,
     done [B]); a done row feeds position -1 (no state writes) and emits -1. Returns (state, carry,
     tokens [n_steps, B], logits [n_steps, B, V] | None)."""
     def body(c, _):
-        state, (tok, count, done) = c
-        pos = jnp.where(done, -1, lens + count - 1)[:, None]           # position of the token being fed
-        logits, state = model_step_fn(params, state, jnp.maximum(tok, 0)[:, None], pos, engram)
-        nxt = jnp.where(done, -1, sample(logits, sb, count))
-        count = count + (~done).astype(jnp.int32)
-        done = done | jnp.any(nxt[:, None] == stops, axis=-1) | (count >= max_new)
-        out_logits = jnp.where((nxt < 0)[:, None], jnp.nan, logits) if keep_logits else None
-        return (state, (nxt, count, done)), (nxt, out_logits)
+        state, carry = c
+        logits, state = model_step_fn(params, state, *_feed(carry, lens), engram)
+        carry, out_logits = _advance(logits, carry, lens, sb, stops, max_new, keep_logits)
+        return (state, carry), (carry[0], out_logits)
 
     (state, carry), (toks, logits) = jax.lax.scan(body, (state, carry), None, length=n_steps)
     return state, carry, toks, logits
 
 
+def _host_decode_block(model: Model, state, engram, carry, lens, sb, stops, max_new, *, n_steps, keep_logits):
+    """The same as _decode_block with the loop on the host, for models whose step is not one jitted program
+    (regions compile mode, host-resident embedding)."""
+    step = model.step_fn(all_logits=False)
+    toks, logits = [], []
+    for _ in range(n_steps):
+        out, state = step(model.params, state, *_feed_jit(carry, lens), engram)
+        carry, lg = _advance_jit(out, carry, lens, sb, stops, max_new, keep_logits)
+        toks.append(carry[0])
+        logits.append(lg)
+    return state, carry, jnp.stack(toks), jnp.stack(logits) if keep_logits else None
+
+
 _decode_block_jit = jax.jit(_decode_block, static_argnames=("model_step_fn", "n_steps", "keep_logits"),
                             donate_argnums=(1,))
+_advance_jit = jax.jit(_advance, static_argnums=(6,))
+_feed_jit = jax.jit(_feed)
 _sample_jit = jax.jit(sample)
 
 
@@ -139,7 +166,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     tokenizer: for text prompts, stop strings and `texts` (default: model.tokenizer, from the folder's
     tokenizer.json).
     The decode loop runs on the device in blocks of `stream_every` steps with a fixed trip count and
-    per-sequence done masks; between blocks `stream(new_tokens)` (if given) receives each request's tokens
+    per-sequence done masks (in the regions compile mode, or with host-resident embedding, the same loop
+    runs on the host, one step call per token); between blocks `stream(new_tokens)` (if given) receives each request's tokens
     since the last call, and generation ends early once every request is done. Models with Engram layers
     decode one step per block (their table rows are gathered on the host from the token just sampled).
     """
@@ -223,8 +251,13 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
             t_last, count, dn = (np.asarray(c) for c in carry)
             pos = np.where(dn, -1, np.asarray(lens) + count - 1).astype(np.int32)[:, None]
             engram = model.engram_inputs(history, np.maximum(t_last, 0)[:, None], pos)
-        state, carry, toks, lg = _decode_block_jit(model.params, state, engram, carry, lens, sb, stops, max_new,
-                                                   model_step_fn=step_fn, n_steps=block, keep_logits=return_logits)
+        if model.host_loop:
+            state, carry, toks, lg = _host_decode_block(model, state, engram, carry, lens, sb, stops, max_new,
+                                                        n_steps=block, keep_logits=return_logits)
+        else:
+            state, carry, toks, lg = _decode_block_jit(model.params, state, engram, carry, lens, sb, stops, max_new,
+                                                       model_step_fn=step_fn, n_steps=block,
+                                                       keep_logits=return_logits)
         toks = np.asarray(toks).T                                        # [B, block]
         tokens.append(toks)
         if return_logits:

@@ -131,21 +131,26 @@ def _layers_v41(params: dict, state: dict, X: jax.Array, chunk, engram: tuple | 
     return X, pre, new_state
 
 
-def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Array, engram: tuple | None = None, *,
-               config: ModelConfig, plan: LayerPlan, numerics: Numerics = Numerics(),
-               all_logits: bool = False, streams: bool = False):
+def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Array, engram: tuple | None = None,
+               embeds: jax.Array | None = None, *, config: ModelConfig, plan: LayerPlan,
+               numerics: Numerics = Numerics(), all_logits: bool = False, streams: bool = False):
     """One chunk through the model.
 
     tokens int32 [B, S]; positions int32 [B, S] (absolute, consecutive per row, -1 = padding after the
     real tokens). engram (models with Engram layers): the host-gathered table rows of this chunk, codes
     uint8 [n_engram, B, S, R, hd] and scales uint8 [n_engram, B, S, R, hd/32] (jdeep/engram.py).
     Returns (logits, state): fp32 [B, S, V] if all_logits, else [B, V] at each row's last real token
-    (rows without real tokens get meaningless logits). With `streams` (V4.1, for layer-by-layer checks)
+    (rows without real tokens get meaningless logits). embeds: the chunk's token embeddings [B, S, d]
+    gathered on the host (host-resident embedding; params then need no "embed"). With `streams` (V4.1, for layer-by-layer checks)
     a third output holds the residual streams after every block, block_out [n_layers, B, S, n, d], and
     right after every Engram update, engram_out [n_engram, B, S, n, d].
     """
     chunk = make_chunk(tokens, positions, config.vocab_size)
-    x = params["embed"][chunk.tokens]                                   # [B, S, d]
+    if embeds is None:
+        if "embed" not in params:
+            raise ValueError("this model keeps its token embedding on the host: pass embeds")
+        embeds = params["embed"][chunk.tokens]                          # [B, S, d]
+    x = embeds
     X = jnp.broadcast_to(x[:, :, None, :], x.shape[:2] + (config.hc_mult, x.shape[-1]))
     last = jnp.clip(chunk.n_valid - 1, 0, X.shape[1] - 1)
     recorded = None
@@ -196,18 +201,38 @@ def compiled_rows_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics,
     other slots are neither read nor changed. Tokens, positions and logits have `rows` rows."""
     fn = functools.partial(model_step, config=config, plan=plan, numerics=numerics, all_logits=all_logits)
 
-    def step(params, state, tokens, positions, engram=None):
+    def step(params, state, tokens, positions, engram=None, embeds=None):
         sub = jax.tree_util.tree_map(lambda a: a[:, :rows], state)
-        logits, sub = fn(params, sub, tokens, positions, engram)
+        logits, sub = fn(params, sub, tokens, positions, engram, embeds)
         state = jax.tree_util.tree_map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=1), state, sub)
         return logits, state
 
     return jax.jit(step, donate_argnums=(1,))
 
 
+class HostEmbedStep:
+    """A step whose token embedding is gathered on the host: `step(params, state, tokens, positions,
+    engram=None)` looks tokens up in `table` (numpy [V, d]) and passes the rows to the device step as
+    `embeds`, so the device holds no embedding table. Tokens are fetched to the host (a sync per step)."""
+
+    def __init__(self, step: Callable, table: np.ndarray):
+        self.step, self.table = step, table
+
+    def embeds(self, tokens) -> jax.Array:
+        ids = np.clip(np.asarray(tokens), 0, self.table.shape[0] - 1)
+        return jnp.asarray(self.table[ids])
+
+    def __call__(self, params, state, tokens, positions, engram=None):
+        return self.step(params, state, tokens, positions, engram, self.embeds(tokens))
+
+
 @dataclass
 class Model:
-    """A loaded model: config, layer plan, device params and the compiled step functions."""
+    """A loaded model: config, layer plan, device params and the compiled step functions.
+
+    compile_mode: "scan" (one program per step, layers under lax.scan) or "regions" (a host loop over
+    layers calling per-kind programs, regions.py). host_embed: the token embedding table kept on the host
+    (numpy [V, d]; params then hold no "embed")."""
 
     config: ModelConfig
     plan: LayerPlan
@@ -216,13 +241,33 @@ class Model:
     numerics: Numerics = Numerics()
     engram: Any = None   # jdeep.engram.EngramHost for models with Engram layers
     tokenizer: Any = None  # jdeep.serve.Tokenizer when the checkpoint folder has a tokenizer.json
+    compile_mode: str = "scan"
+    host_embed: Any = None
+
+    def __post_init__(self):
+        from .platform import COMPILE_MODES
+
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
+
+    @property
+    def host_loop(self) -> bool:
+        """Whether decode steps must be driven from the host (regions mode or host-resident embedding)."""
+        return self.compile_mode == "regions" or self.host_embed is not None
 
     def step_fn(self, all_logits: bool, rows: int | None = None) -> Callable:
-        """jit-compiled `model_step(params, state, tokens, positions, engram=None)`, state donated. With
-        `rows`, the step runs only the state's first `rows` sequence slots (compiled_rows_step)."""
-        if rows is None:
-            return compiled_step(self.config, self.plan, self.numerics, all_logits)
-        return compiled_rows_step(self.config, self.plan, self.numerics, all_logits, rows)
+        """`step(params, state, tokens, positions, engram=None) -> (logits, state)`, state donated. With `rows`,
+        the step runs only the state's first `rows` sequence slots. In the scan mode without host embedding
+        this is a jax.jit (it has .lower); otherwise a host-side callable."""
+        if self.compile_mode == "regions":
+            from .regions import regions_step
+
+            fn = regions_step(self.config, self.plan, self.numerics, all_logits, rows)
+        elif rows is None:
+            fn = compiled_step(self.config, self.plan, self.numerics, all_logits)
+        else:
+            fn = compiled_rows_step(self.config, self.plan, self.numerics, all_logits, rows)
+        return fn if self.host_embed is None else HostEmbedStep(fn, self.host_embed)
 
     def new_history(self, batch: int) -> Any:
         """Host-side per-sequence Engram histories (None for models without Engram)."""

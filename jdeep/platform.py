@@ -1,0 +1,117 @@
+"""Which platform jdeep runs on and what that platform needs (see docs/neuron.md).
+
+    cpu / gpu   XLA's own backends: OCP e4m3fn fp8 (max 448), layers under lax.scan.
+    neuron      AWS Trainium/Inferentia through the libneuronxla PJRT plugin. trn1/trn2 have only the
+                IEEE-style e4m3 (max 240): activations and KV are quantized to that range and checkpoint
+                fp8 weights are rescaled into it at load (quantization.trn2_rescale). The compiler gets the
+                options below; the default compile mode is `regions` (neuronx-cc unrolls while loops, so a
+                scan over 43-61 layers would be compiled layer by layer anyway).
+
+Nothing here imports the Neuron toolchain; `configure_neuron` only edits environment variables, which
+libneuronxla reads when it compiles.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import MutableMapping
+
+from .kernels.codecs import E4M3_TRN2_MAX, E4M3FN_MAX
+
+__all__ = ["Platform", "current", "platform_for", "neuron_generation", "neuron_cc_flags", "configure_neuron",
+           "compile_mode", "COMPILE_MODES"]
+
+COMPILE_MODES = ("scan", "regions")
+
+# Lets neuronx-cc accept OCP float8_e4m3fn by reading its bytes as trn2's e4m3 (only values <= 240 survive).
+# jdeep keeps fp8 codes as uint8 (graphcheck S13), so this is a guard for NKI kernels and user code; it must
+# not be passed on trn3, where it clashes with kernels that emit OCP fp8 (NCC_EOCP001).
+FP8_REINTERPRET_FLAG = "--internal-hlo2tensorizer-options=--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str            # "cpu", "gpu" or "neuron"
+    generation: str      # "trn1", "trn2", "trn3" on neuron, else ""
+    fp8_max: float       # largest fp8 magnitude for activations, KV and weight codes
+    compile_mode: str    # default compile mode
+    host_loop: bool      # whether jdeep.generate must drive decode steps from the host
+
+    @property
+    def is_neuron(self) -> bool:
+        return self.name == "neuron"
+
+
+def neuron_generation(env: MutableMapping[str, str] | None = None, product_name: str | None = None) -> str:
+    """trn1 / trn2 / trn3: from NEURON_PLATFORM_TARGET_OVERRIDE, else the EC2 instance type (DMI product
+    name, e.g. "trn2.48xlarge"; inf2 is trn1-class), else trn2."""
+    env = os.environ if env is None else env
+    target = env.get("NEURON_PLATFORM_TARGET_OVERRIDE", "").lower()
+    aliases = {"trn1": "trn1", "gen2": "trn1", "inf2": "trn1", "trn2": "trn2", "gen3": "trn2", "trn3": "trn3",
+               "gen4": "trn3"}
+    if target in aliases:
+        return aliases[target]
+    if product_name is None:
+        try:
+            with open("/sys/devices/virtual/dmi/id/product_name") as f:
+                product_name = f.read()
+        except OSError:
+            product_name = ""
+    family = product_name.strip().lower().split(".")[0]
+    return aliases.get(family, "trn2")
+
+
+def platform_for(name: str, generation: str = "trn2") -> Platform:
+    """The defaults of a platform by name ("cpu", "gpu"/"cuda"/"rocm", "neuron")."""
+    name = {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
+    if name == "neuron":
+        fp8 = E4M3FN_MAX if generation == "trn3" else E4M3_TRN2_MAX
+        return Platform("neuron", generation, fp8, "regions", host_loop=True)
+    return Platform(name, "", E4M3FN_MAX, "scan", host_loop=False)
+
+
+def current() -> Platform:
+    """The platform of JAX's default backend (initialises JAX's backends)."""
+    import jax
+
+    name = jax.default_backend()
+    return platform_for(name, neuron_generation() if name == "neuron" else "")
+
+
+def neuron_cc_flags(existing: str, generation: str, cache_dir: str | None) -> str:
+    """NEURON_CC_FLAGS with what jdeep needs added to the user's own flags (which win where they overlap)."""
+    flags = existing.split()
+    if generation in ("trn1", "trn2") and FP8_REINTERPRET_FLAG not in flags:
+        flags.append(FP8_REINTERPRET_FLAG)
+    if cache_dir and not any(f.startswith("--cache_dir") for f in flags):
+        flags.append(f"--cache_dir={cache_dir}")
+    return " ".join(flags)
+
+
+def configure_neuron(env: MutableMapping[str, str] | None = None, generation: str | None = None,
+                     cache_dir: str | None = None) -> dict[str, str]:
+    """Set the environment libneuronxla compiles with; returns the variables it changed.
+
+    NEURON_CC_FLAGS gains the fp8 reinterpret flag (trn1/trn2) and a NEFF cache directory
+    (`cache_dir`, default $JDEEP_NEURON_CACHE or ~/.cache/jdeep/neuron); NEURON_LOGICAL_NC_CONFIG
+    defaults to 2 (trn2's default LNC). Call before the first compilation."""
+    env = os.environ if env is None else env
+    generation = generation or neuron_generation(env)
+    cache_dir = cache_dir or env.get("JDEEP_NEURON_CACHE") or os.path.join(
+        env.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jdeep", "neuron")
+    changed = {"NEURON_CC_FLAGS": neuron_cc_flags(env.get("NEURON_CC_FLAGS", ""), generation, cache_dir)}
+    if generation in ("trn2", "trn3") and "NEURON_LOGICAL_NC_CONFIG" not in env:
+        changed["NEURON_LOGICAL_NC_CONFIG"] = "2"
+    changed = {k: v for k, v in changed.items() if env.get(k) != v}
+    env.update(changed)
+    return changed
+
+
+def compile_mode(requested: str | None, platform: Platform) -> str:
+    """The compile mode of a run: the argument, else $JDEEP_COMPILE_MODE, else the platform's default."""
+    mode = requested or os.environ.get("JDEEP_COMPILE_MODE") or platform.compile_mode
+    if mode not in COMPILE_MODES:
+        source = "compile_mode" if requested else "JDEEP_COMPILE_MODE"
+        raise ValueError(f"{source} must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    return mode
