@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: bool | None = None,
          fp8_max: float | None = None, packed_kv: bool = False, progress: bool = False,
-         compile_mode: str | None = None, host_embedding: bool = False) -> Model:
+         compile_mode: str | None = None, host_embedding: bool = False, pack_params: bool | None = None) -> Model:
     """Load a DeepSeek-V4 checkpoint folder (HF layout: config.json + safetensors) or a folder written
     by `jdeep convert` (Orbax).
 
@@ -40,6 +40,8 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     the platform's (regions on Neuron, scan elsewhere).
     host_embedding: keep the token embedding table in host memory and gather the rows there; the device
     receives hidden states (same logits).
+    pack_params: scan mode only: each layer kind's small per-layer tensors packed into one buffer per dtype
+    (packing.py), so a step program takes few arguments; default on for Neuron in the scan mode.
     The folder's tokenizer.json, if any, becomes `model.tokenizer` (text prompts and stop strings).
     On Neuron, load also sets the compiler's environment (platform.configure_neuron).
     """
@@ -110,4 +112,12 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         embed = params.pop("embed")
         host_embed = np.asarray(embed)
         embed.delete()
+    if pack_params is None:
+        pack_params = plat.is_neuron and mode == "scan"
+    if pack_params:
+        if mode != "scan":
+            raise ValueError("pack_params applies to the scan compile mode (regions programs take few arguments)")
+        from .packing import pack_params as pack
+
+        params = pack(params)
     return Model(config, plan, params, jdtype, numerics, engram, tokenizer, compile_mode=mode, host_embed=host_embed)

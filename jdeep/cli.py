@@ -1,4 +1,4 @@
-"""The `jdeep` command line: demo, generate, chat, bench, info, convert. Commands that compile keep a persistent JAX
+"""The `jdeep` command line: demo, generate, chat, bench, info, convert, check-graph, export. Commands that compile keep a persistent JAX
 compilation cache (--compile-cache DIR, $JDEEP_COMPILE_CACHE; --no-compile-cache or $JDEEP_NO_COMPILE_CACHE
 to disable)."""
 
@@ -14,10 +14,7 @@ import time
 
 
 def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise SystemExit(f"jdeep: --prompt-ids must be comma-separated integers, got {text!r}") from None
+    return _parse_ints(text, "--prompt-ids")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -27,7 +24,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         random_checkpoint(TINY_CONFIG if args.arch == "v4" else tiny_v41_config(), tmp, seed=args.seed)
-        model = jdeep.load(tmp, dtype=args.dtype)
+        model = jdeep.load(tmp, dtype=args.dtype, compile_mode=args.compile_mode, host_embedding=args.host_embedding)
         name = "DeepSeek-V4" if args.arch == "v4" else "DeepSeek-V4.1 (fp8/fp4, Engram)"
         print(f"built and loaded a seeded random tiny {name} ({model.config.n_layers} layers, "
               f"{len(model.plan.segments)} scan segments) in {time.perf_counter() - t0:.1f} s")
@@ -74,7 +71,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if len(given) != 1:
         raise SystemExit("jdeep generate: give exactly one of --prompt-ids, --prompt or --prompts-file")
     model = jdeep.load(args.model, dtype=args.dtype, quantize_activations=args.quantize_activations,
-                       fp8_max=args.fp8_max, packed_kv=args.packed_kv, progress=True)
+                       fp8_max=args.fp8_max, packed_kv=args.packed_kv, progress=True,
+                       compile_mode=args.compile_mode, host_embedding=args.host_embedding)
     tok = _tokenizer(args.model)
     if args.prompts_file is not None:
         return _generate_file(args, model, tok)
@@ -148,7 +146,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     tok = _tokenizer(args.model)
     if tok is None:
         raise SystemExit(f"jdeep chat: {args.model} has no tokenizer.json")
-    model = jdeep.load(args.model, dtype=args.dtype, progress=True)
+    model = jdeep.load(args.model, dtype=args.dtype, progress=True, compile_mode=args.compile_mode,
+                       host_embedding=args.host_embedding)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -206,7 +205,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from jdeep.serve.compare import hf_config
 
             hf_config(ModelConfig.from_file(folder))     # an incomparable checkpoint fails before loading
-        model = jdeep.load(folder, dtype=args.dtype, progress=True)
+        model = jdeep.load(folder, dtype=args.dtype, progress=True, compile_mode=args.compile_mode,
+                           host_embedding=args.host_embedding)
         prompts = None
         if args.prompts_file:
             with open(args.prompts_file, encoding="utf-8") as f:
@@ -283,6 +283,94 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _graph_target(args: argparse.Namespace):
+    """A graphs.Target from a checkpoint folder's config.json alone (no weights are read)."""
+    import ml_dtypes
+    import numpy as np
+
+    from jdeep.config import ModelConfig, preset
+    from jdeep.graphs import Target
+    from jdeep.numerics import Numerics
+    from jdeep.plan import build_plan
+
+    config = preset(args.preset) if args.preset else ModelConfig.from_file(args.model)
+    numerics = Numerics.for_config(config, args.quantize_activations, args.fp8_max, args.packed_kv)
+    dtype = np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16
+    return Target(config, build_plan(config), numerics, dtype, args.mode, args.host_embedding,
+                  packed_params=args.mode == "scan" and not args.no_pack_params)
+
+
+def _batch_sizes(text: str) -> list[int]:
+    sizes = _parse_ints(text, "--batch-sizes")
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"jdeep: --batch-sizes must be positive integers, got {text!r}")
+    return sizes
+
+
+def _parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise SystemExit(f"jdeep: {flag} must be comma-separated integers, got {text!r}") from None
+
+
+def cmd_check_graph(args: argparse.Namespace) -> int:
+    from jdeep.graphcheck import Limits, check_lowered
+    from jdeep.graphs import model_programs
+
+    target = _graph_target(args)
+    limits = Limits(max_args=args.max_args)
+    failed = 0
+    programs = model_programs(target, _batch_sizes(args.batch_sizes), args.prefill_len, args.max_len)
+    for prog in programs:
+        report = check_lowered(prog.lower(), name=prog.name, n_experts=target.config.n_routed_experts,
+                               decode=prog.bucket["step"] == "decode", limits=limits)
+        failed += not report.ok
+        if args.verbose or not report.ok:
+            print(report.format())
+        else:
+            print(f"ok    {prog.name}  ({report.stats.get('n_args')} args, {report.stats.get('n_ops')} ops)")
+    print(f"{len(programs) - failed}/{len(programs)} programs pass the compile-safety rules "
+          f"({args.mode} mode, {args.dtype}, fp8 max {args.fp8_max:g})")
+    return 1 if failed else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from jdeep.export import export_programs, model_info
+    from jdeep.graphs import model_programs
+
+    target = _graph_target(args)
+    programs = model_programs(target, _batch_sizes(args.batch_sizes), args.prefill_len, args.max_len)
+    manifest = export_programs(programs, args.out, model_info(target))
+    print(f"wrote {len(manifest['programs'])} programs and manifest.json to {args.out}")
+    return 0
+
+
+def _graph_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint folder (only config.json is read)")
+    src.add_argument("--preset", choices=["v4-flash", "v4-pro", "v41-flash"], help="a released model's config")
+    p.add_argument("--mode", choices=["scan", "regions"], default="regions", help="compile mode (default regions, "
+                                                                                 "Neuron's)")
+    p.add_argument("--batch-sizes", default="1,2,4,8", help="batch-size buckets")
+    p.add_argument("--prefill-len", type=int, default=128, help="prefill chunk length")
+    p.add_argument("--max-len", type=int, default=1024, help="state length (tokens per sequence)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--quantize-activations", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--fp8-max", type=float, default=240.0, help="fp8 range (default 240, trn2's e4m3)")
+    p.add_argument("--packed-kv", action="store_true")
+    p.add_argument("--host-embedding", action="store_true", help="token embedding gathered on the host")
+    p.add_argument("--no-pack-params", action="store_true", help="scan mode: one argument per parameter tensor "
+                                                                  "(default: arenas, as jdeep runs on Neuron)")
+
+
+def _runtime_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile-mode", choices=["scan", "regions"],
+                   help="scan: one program per step; regions: a host loop over layers, one program per layer kind's "
+                        "half (default $JDEEP_COMPILE_MODE, else regions on Neuron and scan elsewhere)")
+    p.add_argument("--host-embedding", action="store_true", help="keep the token embedding table in host memory")
+
+
 def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-cache", help="persistent compilation cache directory (default ~/.cache/jdeep/jax, "
                                            "or $JDEEP_COMPILE_CACHE)")
@@ -299,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", **dtype)
     d.add_argument("--arch", choices=["v4", "v41"], default="v4", help="the tiny model's architecture")
+    _runtime_args(d)
     _cache_args(d)
     d.set_defaults(fn=cmd_demo)
 
@@ -321,8 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", **dtype)
     g.add_argument("--quantize-activations", action=argparse.BooleanOptionalAction, default=None,
                    help="DeepSeek's numerics for quantized checkpoints (default: on for fp8/fp4 checkpoints)")
-    g.add_argument("--fp8-max", type=float, default=448.0, help="448 (e4m3fn) or 240/224 for Trainium2's e4m3")
+    g.add_argument("--fp8-max", type=float, help="448 (e4m3fn) or 240/224 for Trainium2's e4m3 (default: the "
+                                                 "platform's, 240 on trn1/trn2, else 448)")
     g.add_argument("--packed-kv", action="store_true", help="keep the KV cache as uint8 fp8 records")
+    _runtime_args(g)
     _cache_args(g)
     g.set_defaults(fn=cmd_generate)
 
@@ -337,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--min-p", type=float, default=0.0)
     ch.add_argument("--seed", type=int, default=0)
     ch.add_argument("--dtype", **dtype)
+    _runtime_args(ch)
     _cache_args(ch)
     ch.set_defaults(fn=cmd_chat)
 
@@ -358,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare", choices=["transformers"],
                    help="also run transformers' DeepseekV4ForCausalLM on the same checkpoint, dtype and prompts and "
                         "print jdeep/transformers ratios (unquantized DeepSeek-V4 only; pip install 'jdeep[compare]')")
+    _runtime_args(b)
     _cache_args(b)
     b.set_defaults(fn=cmd_bench)
 
@@ -373,6 +466,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", **dtype)
     c.set_defaults(fn=cmd_convert)
+
+    cg = sub.add_parser("check-graph", help="lower every program jdeep compiles for a model and check it against the "
+                                            "Neuron compile-safety rules (jdeep/graphcheck.py)")
+    _graph_args(cg)
+    cg.add_argument("--max-args", type=int, default=128, help="bound on a program's flattened arguments (S19)")
+    cg.add_argument("--verbose", "-v", action="store_true", help="print every program's report")
+    cg.set_defaults(fn=cmd_check_graph)
+
+    e = sub.add_parser("export", help="write the StableHLO (text, bytecode, jax.export) of every program jdeep "
+                                      "compiles for a model, with a JSON manifest")
+    _graph_args(e)
+    e.add_argument("--out", required=True)
+    e.set_defaults(fn=cmd_export)
     return p
 
 

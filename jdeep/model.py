@@ -25,6 +25,7 @@ from .layers.norm import rms_norm
 from .layers.rope import inv_freq
 from .layers.shared_attention import empty_published
 from .numerics import Numerics
+from .packing import Packed, is_packed
 from .plan import LayerPlan, Segment
 from .state import init_state, source_index
 
@@ -34,10 +35,17 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _EXPERT_KEYS = ("w1", "w2", "w3")
 
 
-def _split_experts(slot_params: dict) -> tuple[dict, dict]:
+def _split_experts(slot_params: dict) -> tuple[Any, dict]:
+    """(per-layer params, routed experts) of a slot; per-layer params may be a packing.Packed arena."""
+    if "arena" in slot_params:
+        return slot_params["arena"], slot_params["experts"]
     ffn = slot_params["ffn"]
     rest = {**slot_params, "ffn": {k: v for k, v in ffn.items() if k not in _EXPERT_KEYS}}
     return rest, {k: ffn[k] for k in _EXPERT_KEYS}
+
+
+def _unpacked(p: Any) -> dict:
+    return p.unpack() if isinstance(p, Packed) else p
 
 
 def _run_segment(seg: Segment, seg_params: list, seg_state: list, X: jax.Array, chunk, config: ModelConfig,
@@ -51,7 +59,7 @@ def _run_segment(seg: Segment, seg_params: list, seg_state: list, X: jax.Array, 
         X, st, r = carry
         st = list(st)
         for j, kind in enumerate(seg.pattern):
-            X, st[j] = block(p_slots[j], experts[j], st[j], r, X, chunk, config=config, numerics=numerics,
+            X, st[j] = block(_unpacked(p_slots[j]), experts[j], st[j], r, X, chunk, config=config, numerics=numerics,
                              kind=kind, freqs=freqs[j])
         return (X, st, r + 1), None
 
@@ -87,7 +95,7 @@ def _run_segment_v41(seg: Segment, seg_params: list, seg_state: list, sources: d
         for j, kind in enumerate(seg.pattern):
             a = a_slots[j]
             X, pre, st[j]["window"], sources, published = block_v41(
-                p_slots[j], experts[j], st[j]["window"], r, sources, a["row"], X, pre, published, a.get("engram"),
+                _unpacked(p_slots[j]), experts[j], st[j]["window"], r, sources, a["row"], X, pre, published, a.get("engram"),
                 chunk, config=config, numerics=numerics, kind=kind, freqs=freqs[j], record=outs if streams else None)
         return (X, pre, published, st, sources, r + 1), (outs if streams else None)
 
@@ -249,6 +257,8 @@ class Model:
 
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
+        if self.compile_mode == "regions" and is_packed(self.params):
+            raise ValueError("packed parameters (pack_params) run only in the scan compile mode")
 
     @property
     def host_loop(self) -> bool:

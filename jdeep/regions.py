@@ -19,7 +19,7 @@ and buckets, never on the depth. Results equal the scan mode's (same functions, 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,15 @@ def _ffn_params(slot: dict) -> tuple[dict, dict]:
     ffn = rest["ffn"]
     rest["ffn"] = {k: v for k, v in ffn.items() if k not in _EXPERT_KEYS}
     return rest, {k: ffn[k] for k in _EXPERT_KEYS}
+
+
+def _clamp(i: jax.Array, n: int) -> jax.Array:
+    """A layer/row index from the host, clamped into [0, n) in the graph (graphcheck S12)."""
+    return jnp.clip(i, 0, n - 1)
+
+
+def _reps(tree) -> int:
+    return jax.tree_util.tree_leaves(tree)[0].shape[0]
 
 
 def _layer_view(stacked: dict, layer: jax.Array) -> dict:
@@ -108,6 +117,7 @@ def _head(p, X, positions, pre=None, *, config: ModelConfig, all_logits: bool):
 
 
 def _v4_attn(st, p, layer, X, tokens, positions, *, config, numerics, kind, freqs):
+    layer = _clamp(layer, _reps(st))
     chunk = make_chunk(tokens, positions, config.vocab_size)
     X, st = attention_half(_layer_view(p, layer), st, layer, X, chunk, config=config, numerics=numerics, kind=kind,
                            freqs=freqs)
@@ -115,6 +125,7 @@ def _v4_attn(st, p, layer, X, tokens, positions, *, config, numerics, kind, freq
 
 
 def _v4_ffn(p, experts, layer, X, tokens, positions, *, config, numerics, hash_moe):
+    layer = _clamp(layer, _reps(experts))
     chunk = make_chunk(tokens, positions, config.vocab_size)
     return ffn_half(_layer_view(p, layer), experts, layer, X, chunk, config=config, numerics=numerics,
                     hash_moe=hash_moe)
@@ -123,9 +134,13 @@ def _v4_ffn(p, experts, layer, X, tokens, positions, *, config, numerics, hash_m
 def _v41_attn(state, p, layer, row, X, pre, published, engram, engram_index, tokens, positions, *, config, numerics,
               kind, freqs):
     window, sources = state
+    layer = _clamp(layer, window.shape[0])
+    if kind.attn.ratio:
+        row = _clamp(row, sources[f"r{kind.attn.ratio}"]["ckv"].shape[0])
     chunk = make_chunk(tokens, positions, config.vocab_size)
     rows = None
     if kind.engram:
+        engram_index = _clamp(engram_index, engram[0].shape[0])
         rows = tuple(jax.lax.dynamic_index_in_dim(a, engram_index, keepdims=False) for a in engram)
     X, pre_a, window, sources, published = v41_attention_half(
         _layer_view(p, layer), window, layer, sources, row, X, pre, published, rows, chunk, config=config,
@@ -134,6 +149,7 @@ def _v41_attn(state, p, layer, row, X, pre, published, engram, engram_index, tok
 
 
 def _v41_ffn(p, experts, layer, X, pre_a, tokens, positions, *, config, numerics):
+    layer = _clamp(layer, _reps(experts))
     chunk = make_chunk(tokens, positions, config.vocab_size)
     return v41_ffn_half(_layer_view(p, layer), experts, layer, X, pre_a, chunk, config=config, numerics=numerics)
 

@@ -125,12 +125,13 @@ def moe_experts_grouped(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2,
 
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)                               # sorted row -> (token, slot) row
-    expert_of = flat[order]                                              # [N], ascending
+    expert_of = jnp.clip(flat[order], 0, E - 1)                          # [N], ascending (clamped: S12)
     sizes = jnp.sum(jax.nn.one_hot(flat, E, dtype=jnp.int32), axis=0)    # [E]
     padded = (sizes + tile - 1) // tile * tile
     ends = jnp.cumsum(padded)
     starts = jnp.cumsum(sizes) - sizes
     dest = (ends - padded)[expert_of] + jnp.arange(N, dtype=jnp.int32) - starts[expert_of]   # [N] padded slot
+    dest = jnp.clip(dest, 0, n_tiles * tile - 1)
     src = jnp.full((n_tiles * tile,), N, jnp.int32).at[dest].set(jnp.arange(N, dtype=jnp.int32))
     tile_expert = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(n_tiles) * tile)[:, None], axis=1), E - 1)
 

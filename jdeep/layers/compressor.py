@@ -96,5 +96,6 @@ def compress_chunk(x: jax.Array, p: dict, cache: jax.Array, buf_kv: jax.Array, b
     if store is not None:
         entry = store(entry)
     entry = entry.astype(cache.dtype)
-    cache = cache.at[layer, chunk.batch_index, jnp.where(g_valid, g, tc)].set(entry)
+    # indices clamped in the graph: Neuron's indirect DMA faults on out-of-range rows (graphcheck S12)
+    cache = cache.at[layer, chunk.batch_index, jnp.where(g_valid, jnp.clip(g, 0, tc), tc)].set(entry)
     return cache, buf_kv, buf_score

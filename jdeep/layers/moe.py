@@ -26,7 +26,7 @@ def route(x: jax.Array, tokens: jax.Array, p: dict, *, config: ModelConfig, hash
     scores = jnp.sqrt(jax.nn.softplus(logits))                              # [T, E]
     k = config.n_activated_experts
     if hash_moe:
-        idx = p["tid2eid"][tokens]
+        idx = jnp.clip(p["tid2eid"][tokens], 0, config.n_routed_experts - 1)   # ids from data: clamp (S12)
     else:
         bias = p["bias"]
         if "bias_vl" in p and config.image_token_id is not None:   # V4.1: image tokens route with bias_vl

@@ -90,7 +90,7 @@ def compress_source(x: jax.Array, p: dict, src: dict, row: jax.Array, chunk: Chu
     elif numerics.quantize_activations:
         kv = fp4e4_fake_quant(kv, numerics.ckv_fp4_block)
         key = fp4_fake_quant(key, numerics.fp4_block)
-    at = jnp.where(g_valid, g, tc)
+    at = jnp.where(g_valid, jnp.clip(g, 0, tc), tc)          # clamped in the graph (graphcheck S12)
     ckv = src["ckv"].at[row, chunk.batch_index, at].set(jnp.where(g_valid[..., None], kv, 0).astype(src["ckv"].dtype))
     ikeys = src["ikeys"].at[row, chunk.batch_index, at].set(
         jnp.where(g_valid[..., None], key, 0).astype(src["ikeys"].dtype))

@@ -1,0 +1,97 @@
+"""The regions compile mode (and the host-resident embedding) compute what the scan mode computes, on the
+goldens through the real loader, and its compiled set does not grow with depth."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jdeep
+from conftest import golden_path
+from jdeep.config import ModelConfig
+from jdeep.random_weights import TINY_CONFIG, random_checkpoint
+from jdeep.regions import n_compiled
+
+TOL = 1e-5
+
+
+def _prompt(path, length: int) -> list[int]:
+    ref = np.load(path / "reference.npz")
+    ids = [int(t) for t in ref["prompt_0"]] if "prompt_0" in ref.files else []
+    vocab = ModelConfig.from_file(path).vocab_size
+    rng = np.random.default_rng(0)
+    return (ids + rng.integers(0, vocab, length).tolist())[:length]
+
+
+def _run(model, ids: list[int], n_decode: int):
+    """A prefill step (logits at every position) and n_decode greedy decode steps through model.step_fn:
+    (prefill logits [T, V], decode logits [n_decode, V], greedy tokens [n_decode + 1])."""
+    import jax.numpy as jnp
+
+    T, S = len(ids), 64
+    state = model.init_state(1, 128)
+    toks = np.zeros((1, S), np.int32)
+    pos = np.full((1, S), -1, np.int32)
+    toks[0, :T], pos[0, :T] = ids, np.arange(T)
+    history = model.new_history(1)
+    logits, state = model.step_fn(all_logits=True)(model.params, state, jnp.asarray(toks), jnp.asarray(pos),
+                                                   model.engram_inputs(history, toks, pos))
+    prefill = np.asarray(logits[0, :T])
+    greedy, decoded = [int(np.argmax(prefill[-1]))], []
+    step = model.step_fn(all_logits=False)
+    for i in range(n_decode):
+        tok, p = np.array([[greedy[-1]]], np.int32), np.array([[T + i]], np.int32)
+        logits, state = step(model.params, state, jnp.asarray(tok), jnp.asarray(p), model.engram_inputs(history, tok, p))
+        decoded.append(np.asarray(logits[0]))
+        greedy.append(int(np.argmax(decoded[-1])))
+    return prefill, np.stack(decoded), greedy
+
+
+@pytest.mark.parametrize("name", ["v4-tiny-hf", "v4-tiny-q", "v41-tiny-q"])
+def test_regions_equal_scan_on_golden(name):
+    path = golden_path(name)
+    scan = jdeep.load(path, compile_mode="scan")
+    regions = jdeep.load(path, compile_mode="regions")
+    assert (scan.compile_mode, regions.compile_mode) == ("scan", "regions") and regions.host_loop
+    ids = _prompt(path, 40)
+    pa, da, ga = _run(scan, ids, 3)
+    pb, db, gb = _run(regions, ids, 3)
+    np.testing.assert_allclose(pb, pa, atol=TOL, rtol=0)
+    np.testing.assert_allclose(db, da, atol=TOL, rtol=0)
+    assert gb == ga
+
+
+def test_host_embedding_equal_device_embedding():
+    path = golden_path("v4-tiny-hf")
+    device = jdeep.load(path)
+    host = jdeep.load(path, host_embedding=True)
+    assert "embed" not in host.params and host.host_embed.shape == (device.config.vocab_size, device.config.dim)
+    ids = _prompt(path, 24)
+    np.testing.assert_array_equal(jdeep.forward(host, ids), jdeep.forward(device, ids))
+    a = jdeep.generate(device, [ids, ids[:5]], max_new_tokens=4, ignore_eos=True)
+    b = jdeep.generate(host, [ids, ids[:5]], max_new_tokens=4, ignore_eos=True)
+    np.testing.assert_array_equal(b.tokens, a.tokens)
+
+
+def _deep_config(n_repeats: int) -> dict:
+    """Sliding/hash, CSA/hash, then (HCA, CSA) repeated: the same kinds at depth 2 + 2 * n_repeats."""
+    raw = dict(TINY_CONFIG)
+    raw["layer_types"] = ["sliding_attention", "compressed_sparse_attention"] + \
+        ["heavily_compressed_attention", "compressed_sparse_attention"] * n_repeats
+    raw["num_hidden_layers"] = len(raw["layer_types"])
+    return raw
+
+
+def test_regions_compiled_set_independent_of_depth(tmp_path):
+    counts = []
+    for n_repeats, folder in ((1, tmp_path / "small"), (7, tmp_path / "deep")):
+        random_checkpoint(_deep_config(n_repeats), str(folder), seed=1)
+        model = jdeep.load(folder, compile_mode="regions")
+        before = n_compiled(model.config, model.numerics)
+        jdeep.generate(model, [[1, 2, 3, 4, 5], [6, 7]], max_new_tokens=3, ignore_eos=True)
+        counts.append((model.config.n_layers, n_compiled(model.config, model.numerics) - before))
+    (small_layers, small), (deep_layers, deep) = counts
+    assert deep_layers == 4 * small_layers
+    assert small == deep, counts
+    # embed + head + 4 attention kinds + 2 MoE kinds, each for a prefill and a decode shape
+    assert small == 2 * (2 + 4 + 2), counts
