@@ -14,8 +14,9 @@ and manifest.json (schema "jdeep.export/1"):
                    "inputs": [{"path", "shape", "dtype", "donated"}], "outputs": [{"path", "shape", "dtype"}],
                    "aliases": {input index: output index}, "platforms"}]}
 
-`inputs[i].path` is the pytree path of flattened argument i (e.g. "[1]['segments'][0][0]['window']"):
-argument 0 is the parameter tree, 1 the decode state (donated) in step programs.
+Programs take and return flat lists of arrays: argument i is `inputs[i]`, whose path is its place in the
+step's argument tree (e.g. "[1]['segments'][0][0]['window']"; argument tree 0 is the parameters, 1 the
+decode state, donated and aliased to its outputs). `call_exported` rebuilds the trees.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 
 from .graphs import Program
 
-__all__ = ["export_programs", "load_exported", "SCHEMA"]
+__all__ = ["export_programs", "load_exported", "call_exported", "SCHEMA"]
 
 SCHEMA = "jdeep.export/1"
 
@@ -58,10 +59,16 @@ def export_programs(programs: Sequence[Program], out_dir: str, model_info: dict)
     os.makedirs(out_dir, exist_ok=True)
     entries = []
     for p in programs:
-        exp = jax.export.export(p.fn)(*p.args)
-        lowered = p.lower()
-        donated = [a.donated for a in jax.tree_util.tree_leaves(lowered.args_info)]
-        text = lowered.as_text()
+        # exported with a flat calling convention: argument i is manifest input i, output j manifest output j
+        leaves, treedef = jax.tree_util.tree_flatten(p.args)
+        donated = [a.donated for a in jax.tree_util.tree_leaves(p.lower().args_info)]
+
+        def flat(*xs, fn=p.fn, treedef=treedef):
+            return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(treedef, xs)))
+
+        jitted = jax.jit(flat, donate_argnums=tuple(i for i, d in enumerate(donated) if d))
+        exp = jax.export.export(jitted)(*leaves)
+        text = jitted.lower(*leaves).as_text()
         files = {"mlir": f"{p.name}.mlir", "mlirbc": f"{p.name}.mlirbc", "jax_exported": f"{p.name}.jax_exported"}
         with open(os.path.join(out_dir, files["mlir"]), "w") as f:
             f.write(text)
@@ -74,6 +81,7 @@ def export_programs(programs: Sequence[Program], out_dir: str, model_info: dict)
             entry["donated"] = bool(d)
         entries.append({"name": p.name, "files": files, "bucket": p.bucket, "inputs": inputs,
                         "outputs": _leaves(jax.eval_shape(p.fn, *p.args)), "aliases": _aliases(text),
+                        "input_tree": str(treedef),
                         "platforms": list(exp.platforms)})
     manifest = {"schema": SCHEMA, "jax_version": jax.__version__, "model": model_info, "programs": entries}
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
@@ -100,3 +108,9 @@ def load_exported(out_dir: str) -> tuple[dict, dict]:
         with open(os.path.join(out_dir, entry["files"]["jax_exported"]), "rb") as f:
             programs[entry["name"]] = jax.export.deserialize(bytearray(f.read()))
     return manifest, programs
+
+
+def call_exported(exported, fn, *args):
+    """Run an exported program on the argument trees of its live twin `fn` (whose output tree it rebuilds)."""
+    out_tree = jax.tree_util.tree_structure(jax.eval_shape(fn, *args))
+    return jax.tree_util.tree_unflatten(out_tree, exported.call(*jax.tree_util.tree_leaves(args)))
