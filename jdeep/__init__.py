@@ -109,9 +109,8 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         tokenizer = Tokenizer(path)
     host_embed = None
     if host_embedding:
-        embed = params.pop("embed")
-        host_embed = np.asarray(embed)
-        embed.delete()
+        # a copy: on CPU np.asarray can alias the device buffer, which is freed once the array is dropped
+        host_embed = np.array(params.pop("embed"), copy=True)
     if pack_params is None:
         pack_params = plat.is_neuron and mode == "scan"
     if pack_params:
@@ -120,4 +119,14 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         from .packing import pack_params as pack
 
         params = pack(params)
-    return Model(config, plan, params, jdtype, numerics, engram, tokenizer, compile_mode=mode, host_embed=host_embed)
+    sampler_device = None
+    if plat.is_neuron:           # the plugin's threefry RNG is incomplete: sample on the host CPU backend
+        try:
+            sampler_device = jax.devices("cpu")[0]
+        except RuntimeError:
+            import warnings
+
+            warnings.warn("no CPU backend (JAX_PLATFORMS excludes cpu): sampling runs on the Neuron device, whose "
+                          "threefry RNG is incomplete; set JAX_PLATFORMS=neuron,cpu")
+    return Model(config, plan, params, jdtype, numerics, engram, tokenizer, compile_mode=mode, host_embed=host_embed,
+                 sampler_device=sampler_device)

@@ -122,8 +122,11 @@ def _host_decode_block(model: Model, state, engram, carry, lens, sb, stops, max_
     step = model.step_fn(all_logits=False)
     toks, logits = [], []
     for _ in range(n_steps):
-        out, state = step(model.params, state, *_feed_jit(carry, lens), engram)
-        carry, lg = _advance_jit(out, carry, lens, sb, stops, max_new, keep_logits)
+        tok, pos = _feed_jit(carry, lens)
+        if model.sampler_device is not None:             # back through the host to the model's device
+            tok, pos = np.asarray(tok), np.asarray(pos)
+        out, state = step(model.params, state, tok, pos, engram)
+        carry, lg = _advance_jit(model.to_sampler(out), carry, lens, sb, stops, max_new, keep_logits)
         toks.append(carry[0])
         logits.append(lg)
     return state, carry, jnp.stack(toks), jnp.stack(logits) if keep_logits else None
@@ -209,6 +212,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     max_new = jnp.asarray([p.max_new_tokens for p in params] + [1] * (Bb - B), jnp.int32)
     lens = jnp.asarray(np.array([len(p) for p in prompts] + [0] * (Bb - B), np.int32))
 
+    first, sb, stops, max_new, lens = model.to_sampler((first, sb, stops, max_new, lens))
     tok = _sample_jit(first, sb, jnp.zeros((Bb,), jnp.int32))
     done = jnp.any(tok[:, None] == stops, axis=-1) | (max_new <= 1) | (lens == 0)
     carry = (tok, jnp.ones((Bb,), jnp.int32), done)

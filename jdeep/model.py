@@ -240,7 +240,9 @@ class Model:
 
     compile_mode: "scan" (one program per step, layers under lax.scan) or "regions" (a host loop over
     layers calling per-kind programs, regions.py). host_embed: the token embedding table kept on the host
-    (numpy [V, d]; params then hold no "embed")."""
+    (numpy [V, d]; params then hold no "embed"). sampler_device: a jax.Device the sampler runs on instead of
+    the model's (on Neuron the host CPU: the plugin's threefry RNG is incomplete, graphcheck S18); logits go
+    there and the sampled tokens come back through the host."""
 
     config: ModelConfig
     plan: LayerPlan
@@ -251,6 +253,7 @@ class Model:
     tokenizer: Any = None  # jdeep.serve.Tokenizer when the checkpoint folder has a tokenizer.json
     compile_mode: str = "scan"
     host_embed: Any = None
+    sampler_device: Any = None   # where sampling runs (None: with the model; on Neuron the CPU backend)
 
     def __post_init__(self):
         from .platform import COMPILE_MODES
@@ -263,7 +266,11 @@ class Model:
     @property
     def host_loop(self) -> bool:
         """Whether decode steps must be driven from the host (regions mode or host-resident embedding)."""
-        return self.compile_mode == "regions" or self.host_embed is not None
+        return self.compile_mode == "regions" or self.host_embed is not None or self.sampler_device is not None
+
+    def to_sampler(self, tree: Any) -> Any:
+        """Arrays moved to the sampler's device (unchanged when sampling runs with the model)."""
+        return tree if self.sampler_device is None else jax.device_put(tree, self.sampler_device)
 
     def step_fn(self, all_logits: bool, rows: int | None = None) -> Callable:
         """`step(params, state, tokens, positions, engram=None) -> (logits, state)`, state donated. With `rows`,

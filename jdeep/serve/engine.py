@@ -155,7 +155,7 @@ class Engine:
         n = logits.shape[0]
         counts = np.array([len(s.out.tokens) if s is not None else 0 for s in self.slots[:n]], np.int32)
         sb = self._sb if n == self.n_slots else SamplingBatch(*(a[:n] for a in self._sb))
-        nxt = np.asarray(_sample(logits, sb, jnp.asarray(counts)))
+        nxt = np.asarray(_sample(*self.model.to_sampler((logits, sb)), jnp.asarray(counts)))
         done = []
         for i in rows:
             s = self.slots[i]
