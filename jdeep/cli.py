@@ -468,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_convert)
 
     cg = sub.add_parser("check-graph", help="lower every program jdeep compiles for a model and check it against the "
-                                            "Neuron compile-safety rules (jdeep/graphcheck.py)")
+                                            "Neuron compile-safety rules (jdeep/graphcheck)")
     _graph_args(cg)
     cg.add_argument("--max-args", type=int, default=128, help="bound on a program's flattened arguments (S19)")
     cg.add_argument("--verbose", "-v", action="store_true", help="print every program's report")

@@ -31,7 +31,7 @@ def test_check_graph_passes_on_goldens_in_both_modes(name, capsys):
 
 
 def test_parameter_arenas_bring_scan_programs_under_128_arguments():
-    """Unpacked, a scan step of v4-tiny-q takes > 128 arguments (S19, tested in test_graphcheck); with arenas
+    """Unpacked, a scan step of v4-tiny-q takes > 128 arguments (S19, tested in tests/graphcheck); with arenas
     it takes well under."""
     path = golden_path("v4-tiny-q")
     config = jdeep.ModelConfig.from_file(path)

@@ -10,7 +10,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jdeep import graphcheck as gc
-from jdeep.graphcheck import Limits, check_lowered, check_text
+from jdeep.graphcheck import Limits, analysis, check_lowered, check_text, mlir
 
 F = jnp.float32
 I = jnp.int32
@@ -155,7 +155,7 @@ def test_s3_static_loops_pass_with_trip_counts():
 
 
 def test_trip_formula():
-    tf = gc._trip_formula
+    tf = analysis._trip_formula
     assert tf(0, 1, 5, "LT") == 5
     assert tf(0, 2, 5, "LT") == 3
     assert tf(0, 1, 5, "LE") == 6
@@ -551,12 +551,12 @@ def test_s20_skipped_without_flags():
 
 
 def test_parser_types_and_values():
-    mod = gc.Module(lower(lambda x: lax.top_k(x, 2), v4).as_text())
+    mod = mlir.Module(lower(lambda x: lax.top_k(x, 2), v4).as_text())
     (op,) = [o for o in mod.ops if o.short == "top_k"]
     assert [v.type for v in op.results] == ["tensor<2xf32>", "tensor<2xi32>"]
     assert op.operands[0].kind == "arg" and op.operands[0].type == "tensor<4xf32>"
-    assert gc.tensor_dims_elem("tensor<2x?x3xcomplex<f32>>") == (["2", "?", "3"], "complex<f32>")
-    assert gc.elem_type("tensor<f8E4M3FN>") == "f8E4M3FN"
+    assert mlir.tensor_dims_elem("tensor<2x?x3xcomplex<f32>>") == (["2", "?", "3"], "complex<f32>")
+    assert mlir.elem_type("tensor<f8E4M3FN>") == "f8E4M3FN"
 
 
 # sdy.manual_computation (shard_map over 2 devices) with a donated argument: JAX marks it jax.buffer_donor
