@@ -25,23 +25,18 @@ from .layers.norm import rms_norm
 from .layers.rope import inv_freq
 from .layers.shared_attention import empty_published
 from .numerics import Numerics
-from .packing import Packed, is_packed
+from .packing import Packed, is_packed, split_experts
 from .plan import LayerPlan, Segment
 from .state import init_state, source_index
 
 __all__ = ["Model", "model_step", "DTYPES"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-_EXPERT_KEYS = ("w1", "w2", "w3")
-
-
 def _split_experts(slot_params: dict) -> tuple[Any, dict]:
     """(per-layer params, routed experts) of a slot; per-layer params may be a packing.Packed arena."""
     if "arena" in slot_params:
         return slot_params["arena"], slot_params["experts"]
-    ffn = slot_params["ffn"]
-    rest = {**slot_params, "ffn": {k: v for k, v in ffn.items() if k not in _EXPERT_KEYS}}
-    return rest, {k: ffn[k] for k in _EXPERT_KEYS}
+    return split_experts(slot_params)
 
 
 def _unpacked(p: Any) -> dict:

@@ -17,14 +17,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Packed", "pack_slot", "pack_params", "is_packed"]
+__all__ = ["Packed", "pack_slot", "pack_params", "is_packed", "split_experts", "EXPERT_KEYS"]
 
-_EXPERT_KEYS = ("w1", "w2", "w3")
+EXPERT_KEYS = ("w1", "w2", "w3")
+
+
+def split_experts(slot: dict) -> tuple[dict, dict]:
+    """(a slot's parameters without its routed experts, the experts {w1, w2, w3} stacked [R, E, ...])."""
+    ffn = slot["ffn"]
+    rest = {**slot, "ffn": {k: v for k, v in ffn.items() if k not in EXPERT_KEYS}}
+    return rest, {k: ffn[k] for k in EXPERT_KEYS}
 
 
 @jax.tree_util.register_pytree_node_class
 class Packed:
-    """arenas {dtype name: [..., N]} + layout ((key path, dtype name, offset, shape), ...) (static).
+    """arenas {dtype name: [..., N]} + layout ((dtype name, offset, shape) per leaf, in treedef order) and the
+    tree's treedef (both static).
 
     The leading axes of every arena are the stacking axes (layers); `unpack()` needs them gone (one layer)
     or equal to the stored tensors' leading axes."""
@@ -79,8 +87,7 @@ def pack_params(params: dict) -> dict:
     for seg in params["segments"]:
         slots = []
         for slot in seg:
-            ffn = slot["ffn"]
-            rest = {**slot, "ffn": {k: v for k, v in ffn.items() if k not in _EXPERT_KEYS}}
-            slots.append({"arena": pack_slot(rest), "experts": {k: ffn[k] for k in _EXPERT_KEYS}})
+            rest, experts = split_experts(slot)
+            slots.append({"arena": pack_slot(rest), "experts": experts})
         segments.append(slots)
     return {**params, "segments": segments}

@@ -18,7 +18,7 @@ from .param_spec import (F32, FP4, FP4_BLOCK, FP8, FP8_DEQUANT, INDEX, TensorSpe
                          top_specs)
 from .plan import layer_kinds
 
-__all__ = ["TINY_CONFIG", "tiny_v41_config", "random_tensor", "random_checkpoint", "write_word_tokenizer"]
+__all__ = ["TINY_CONFIG", "deep_tiny_config", "tiny_v41_config", "random_tensor", "random_checkpoint", "write_word_tokenizer"]
 
 # A small model with every layer kind (sliding, ratio-4 CSA with indexer, ratio-16 HCA, hash MoE).
 TINY_CONFIG: dict[str, Any] = {
@@ -37,6 +37,16 @@ TINY_CONFIG: dict[str, Any] = {
                      "beta_fast": 32, "beta_slow": 1},
     "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1,
 }
+
+
+def deep_tiny_config(n_repeats: int) -> dict[str, Any]:
+    """TINY_CONFIG's kinds at depth 2 + 2 * n_repeats: sliding/hash, CSA/hash, then (HCA, CSA) repeated (for tests
+    that the compiled programs do not grow with depth)."""
+    raw = dict(TINY_CONFIG)
+    raw["layer_types"] = ["sliding_attention", "compressed_sparse_attention"] + \
+        ["heavily_compressed_attention", "compressed_sparse_attention"] * n_repeats
+    raw["num_hidden_layers"] = len(raw["layer_types"])
+    return raw
 
 
 def tiny_v41_config(engram_vocab_size: int = 400, quantized: bool = True) -> dict[str, Any]:

@@ -33,25 +33,20 @@ from .layers.norm import rms_norm
 from .layers.rope import inv_freq
 from .layers.shared_attention import empty_published
 from .numerics import Numerics
+from .packing import split_experts
 from .plan import LayerKind, LayerPlan
 from .state import source_index
 
 __all__ = ["RegionsStep", "regions_step", "ATTN_KEYS"]
 
 ATTN_KEYS = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "attn_norm", "attn", "engram")
-_EXPERT_KEYS = ("w1", "w2", "w3")
-
-
 def _attn_params(slot: dict) -> dict:
     return {k: v for k, v in slot.items() if k in ATTN_KEYS}
 
 
 def _ffn_params(slot: dict) -> tuple[dict, dict]:
     """(this slot's non-expert FFN parameters, its routed experts)."""
-    rest = {k: v for k, v in slot.items() if k not in ATTN_KEYS}
-    ffn = rest["ffn"]
-    rest["ffn"] = {k: v for k, v in ffn.items() if k not in _EXPERT_KEYS}
-    return rest, {k: ffn[k] for k in _EXPERT_KEYS}
+    return split_experts({k: v for k, v in slot.items() if k not in ATTN_KEYS})
 
 
 def _clamp(i: jax.Array, n: int) -> jax.Array:

@@ -15,17 +15,12 @@ from jdeep.checkpoint import abstract_params
 from jdeep.config import ModelConfig
 from jdeep.model import model_step
 from jdeep.plan import build_plan
-from jdeep.random_weights import TINY_CONFIG, random_checkpoint
+from jdeep.random_weights import TINY_CONFIG, deep_tiny_config, random_checkpoint
 from jdeep.state import init_state
 
 
 def _config(n_repeats: int) -> ModelConfig:
-    """Sliding/hash, CSA/hash, then (HCA, CSA) repeated: same kinds, depth 2 + 2*n_repeats."""
-    raw = dict(TINY_CONFIG)
-    raw["layer_types"] = ["sliding_attention", "compressed_sparse_attention"] + \
-        ["heavily_compressed_attention", "compressed_sparse_attention"] * n_repeats
-    raw["num_hidden_layers"] = len(raw["layer_types"])
-    return ModelConfig.from_dict(raw)
+    return ModelConfig.from_dict(deep_tiny_config(n_repeats))
 
 
 def _lower_decode(config: ModelConfig, batch: int = 2, max_len: int = 256):

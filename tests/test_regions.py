@@ -9,7 +9,7 @@ import pytest
 import jdeep
 from conftest import golden_path
 from jdeep.config import ModelConfig
-from jdeep.random_weights import TINY_CONFIG, random_checkpoint
+from jdeep.random_weights import TINY_CONFIG, deep_tiny_config, random_checkpoint
 from jdeep.regions import n_compiled
 
 TOL = 1e-5
@@ -76,19 +76,10 @@ def test_host_embedding_equal_device_embedding():
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
-def _deep_config(n_repeats: int) -> dict:
-    """Sliding/hash, CSA/hash, then (HCA, CSA) repeated: the same kinds at depth 2 + 2 * n_repeats."""
-    raw = dict(TINY_CONFIG)
-    raw["layer_types"] = ["sliding_attention", "compressed_sparse_attention"] + \
-        ["heavily_compressed_attention", "compressed_sparse_attention"] * n_repeats
-    raw["num_hidden_layers"] = len(raw["layer_types"])
-    return raw
-
-
 def test_regions_compiled_set_independent_of_depth(tmp_path):
     counts = []
     for n_repeats, folder in ((1, tmp_path / "small"), (7, tmp_path / "deep")):
-        random_checkpoint(_deep_config(n_repeats), str(folder), seed=1)
+        random_checkpoint(deep_tiny_config(n_repeats), str(folder), seed=1)
         model = jdeep.load(folder, compile_mode="regions")
         before = n_compiled(model.config, model.numerics)
         jdeep.generate(model, [[1, 2, 3, 4, 5], [6, 7]], max_new_tokens=3, ignore_eos=True)
