@@ -19,3 +19,23 @@ def golden_path(name: str) -> pathlib.Path:
     if not (path / "config.json").exists():
         pytest.skip(f"golden folder {path} is absent (set JDEEP_GOLDEN_DIR to the shared/golden folder)")
     return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. XLA:CPU keeps a few memory mappings per compiled
+    executable for as long as it is cached, and a test worker that compiles thousands of programs reaches the
+    kernel's vm.max_map_count (65530) and crashes inside a later compile. Test modules share no programs."""
+    yield
+    import gc
+
+    import jax
+
+    from jdeep import model, regions
+
+    model.compiled_step.cache_clear()
+    model.compiled_rows_step.cache_clear()
+    regions.regions_step.cache_clear()
+    regions._PROGRAMS.clear()
+    jax.clear_caches()
+    gc.collect()
