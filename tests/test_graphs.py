@@ -20,8 +20,9 @@ from jdeep.graphs import Target, model_programs, step_inputs
 from jdeep.random_weights import TINY_CONFIG, random_checkpoint
 
 
-@pytest.mark.parametrize("name", ["v4-tiny-hf", "v4-tiny-q", "v41-tiny-q"])
+@pytest.mark.parametrize("name", ["v4-tiny-hf", pytest.param("v4-tiny-q", marks=pytest.mark.slow), "v41-tiny-q"])
 def test_check_graph_passes_on_goldens_in_both_modes(name, capsys):
+    """v4-tiny-q is slow-marked: its layer kinds are v4-tiny-hf's and its quantized ops v41-tiny-q's."""
     path = golden_path(name)
     for mode in ("scan", "regions"):
         assert main(["check-graph", "--model", str(path), "--mode", mode, "--batch-sizes", "2", "--prefill-len",

@@ -91,21 +91,6 @@ def test_regions_compiled_set_independent_of_depth(tmp_path):
     assert small == 2 * (2 + 4 + 2), counts
 
 
-def test_engine_in_regions_mode_equals_generate():
-    """The continuous-batching engine steps a batch-size bucket of the slot pool through region programs."""
-    from jdeep import SamplingParams
-    from jdeep.serve.engine import Engine
-
-    model = jdeep.load(golden_path("v4-tiny-hf"), compile_mode="regions")
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11], [12, 13, 14, 15, 16]]
-    engine = Engine(model, max_num_seqs=4, max_len=256)
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=4)) for p in prompts]
-    outs = engine.run()
-    ref = jdeep.generate(model, prompts, max_new_tokens=4)
-    for i, rid in enumerate(ids):
-        assert list(outs[rid].tokens) == ref.tokens[i, :ref.lengths[i]].tolist()
-
-
 _SPLIT_SAMPLER = """
 import dataclasses, sys
 import jax, jdeep
@@ -121,10 +106,11 @@ sp = [SamplingParams(temperature=0.8, seed=3, max_new_tokens=4), SamplingParams(
 a = jdeep.generate(model, prompts, sampling=sp)
 b = jdeep.generate(split, prompts, sampling=sp)
 assert (a.tokens == b.tokens).all(), (a.tokens, b.tokens)
-engine = Engine(split, max_num_seqs=2, max_len=64)
+engine = Engine(split, max_num_seqs=4, max_len=64)   # 2 requests: the bucket of the first 2 slots
 ids = [engine.add_request(p, s) for p, s in zip(prompts, sp)]
 outs = engine.run()
 assert [list(outs[i].tokens) for i in ids] == [a.tokens[k, :a.lengths[k]].tolist() for k in range(2)]
+assert set(engine.steps_per_bucket) == {2}, engine.steps_per_bucket
 print("same tokens")
 """
 
@@ -132,7 +118,8 @@ print("same tokens")
 def test_sampler_on_another_device(tmp_path):
     """On Neuron the sampler runs on the host CPU backend (Model.sampler_device). With two CPU devices the same
     plumbing runs the model on one and the sampler on the other: generate and the engine give the tokens of a
-    single-device run."""
+    single-device run. (This is also the test of the engine in the regions mode: its batch-size buckets step
+    through region programs.)"""
     import os
     import subprocess
     import sys
