@@ -123,18 +123,24 @@ def _blank_strings(raw: str) -> str:
     return raw[:k] + _STR_RE.sub('""', raw[k:])
 
 
+def _matching(s: str, start: int, open_: str, close: str) -> int:
+    """Index of the bracket closing the one at s[start] (or the last index if unbalanced)."""
+    d, j = 0, start
+    while j < len(s):
+        d += (s[j] == open_) - (s[j] == close)
+        if d == 0:
+            break
+        j += 1
+    return j
+
+
 def _strip_locs(s: str) -> str:
     """Remove ``loc(...)`` annotations (balanced parentheses); strings must already be blanked."""
     while True:
         i = s.find("loc(")
         if i < 0 or (i > 0 and (s[i - 1].isalnum() or s[i - 1] in "_.")):
             return s
-        d, j = 0, i + 3
-        while j < len(s):
-            d += (s[j] == "(") - (s[j] == ")")
-            if d == 0:
-                break
-            j += 1
+        j = _matching(s, i + 3, "(", ")")
         s = s[:i].rstrip() + " " + s[j + 1:]
 
 
@@ -201,12 +207,7 @@ def _types_in(s: str) -> list[str]:
         i = s.find("tensor<", i)
         if i < 0:
             return out
-        d, j = 0, i + 6
-        while j < len(s):
-            d += (s[j] == "<") - (s[j] == ">")
-            if d == 0:
-                break
-            j += 1
+        j = _matching(s, i + 6, "<", ">")
         out.append(s[i: j + 1])
         i = j + 1
 
