@@ -19,7 +19,8 @@ __version__ = "0.1.0"
 
 def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: bool | None = None,
          fp8_max: float | None = None, packed_kv: bool = False, progress: bool = False,
-         compile_mode: str | None = None, host_embedding: bool = False, pack_params: bool | None = None) -> Model:
+         compile_mode: str | None = None, host_embedding: bool = False, pack_params: bool | None = None,
+         mesh=None) -> Model:
     """Load a DeepSeek-V4 checkpoint folder (HF layout: config.json + safetensors) or a folder written
     by `jdeep convert` (Orbax).
 
@@ -42,6 +43,11 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     receives hidden states (same logits).
     pack_params: scan mode only: each layer kind's small per-layer tensors packed into one buffer per dtype
     (packing.py), so a step program takes few arguments; default on for Neuron in the scan mode.
+    mesh: shard the model over a device mesh: "data=2,expert=4", {"data": 2, "expert": 4} or a
+    jax.sharding.Mesh with axes (data, tensor, expert) (jdeep/sharding.py). The product of the sizes must
+    equal the number of devices (of all processes, after jax.distributed.initialize). Each process reads
+    only the checkpoint slices its devices hold; routed experts are padded with zero experts to a multiple
+    of the expert axis. The model then runs in the scan compile mode with an expert-parallel MoE.
     The folder's tokenizer.json, if any, becomes `model.tokenizer` (text prompts and stop strings).
     On Neuron, load also sets the compiler's environment (platform.configure_neuron).
     """
@@ -59,7 +65,12 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         raise FileNotFoundError(f"no checkpoint folder at {path}")
     jdtype = as_jax_dtype(dtype)
     plat = platforms.current()
+    if mesh is not None and compile_mode is None:
+        compile_mode = "scan"
     mode = platforms.compile_mode(compile_mode, plat)
+    if mesh is not None and (mode != "scan" or host_embedding or pack_params):
+        raise ValueError("mesh= runs the scan compile mode with the embedding on the mesh and plain parameter "
+                         "leaves: drop compile_mode='regions', host_embedding and pack_params")
     if plat.is_neuron:
         platforms.configure_neuron(generation=plat.generation)
     if fp8_max is None:
@@ -68,7 +79,14 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     plan = build_plan(config)
     numerics = Numerics.for_config(config, quantize_activations, fp8_max, packed_kv)
     device = jax.devices()[0]   # one placement for both sources, so both hit the same compiled programs
-    if checkpoint.is_converted(path):
+    layout = None
+    if mesh is not None:
+        from .sharding import Layout, make_mesh
+
+        layout = Layout.for_model(make_mesh(mesh), config.moe_inter_dim)
+    if layout is not None:
+        params = _load_sharded(path, config, plan, jdtype, numerics, layout, progress)
+    elif checkpoint.is_converted(path):
         if config.engram is not None:
             raise ValueError(f"{path}: converted (Orbax) folders of models with Engram layers are not supported yet; "
                              "load the original checkpoint folder")
@@ -112,7 +130,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         # a copy: on CPU np.asarray can alias the device buffer, which is freed once the array is dropped
         host_embed = np.array(params.pop("embed"), copy=True)
     if pack_params is None:
-        pack_params = plat.is_neuron and mode == "scan"
+        pack_params = plat.is_neuron and mode == "scan" and layout is None
     if pack_params:
         if mode != "scan":
             raise ValueError("pack_params applies to the scan compile mode (regions programs take few arguments)")
@@ -120,7 +138,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
 
         params = pack(params)
     sampler_device = None
-    if plat.is_neuron:           # the plugin's threefry RNG is incomplete: sample on the host CPU backend
+    if plat.is_neuron and layout is None:   # the plugin's threefry RNG is incomplete: sample on the host CPU
         try:
             sampler_device = jax.devices("cpu")[0]
         except RuntimeError:
@@ -129,4 +147,49 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
             warnings.warn("no CPU backend (JAX_PLATFORMS excludes cpu): sampling runs on the Neuron device, whose "
                           "threefry RNG is incomplete; set JAX_PLATFORMS=neuron,cpu")
     return Model(config, plan, params, jdtype, numerics, engram, tokenizer, compile_mode=mode, host_embed=host_embed,
-                 sampler_device=sampler_device)
+                 sampler_device=sampler_device, layout=layout)
+
+
+def _load_sharded(path: str, config, plan, jdtype, numerics, layout, progress: bool) -> dict:
+    """Params as global arrays sharded by `layout`, each process reading only its devices' slices."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    from . import checkpoint
+
+    def sharding_for(tree_path: tuple, shape: tuple) -> NamedSharding:
+        return NamedSharding(layout.mesh, layout.param_spec(tree_path, shape))
+
+    n_experts = checkpoint.padded_experts(config.n_routed_experts, layout.sizes["expert"])
+    if checkpoint.is_converted(path):
+        if n_experts != config.n_routed_experts:
+            raise ValueError(f"{path}: {config.n_routed_experts} routed experts do not divide over expert="
+                             f"{layout.sizes['expert']}; load the original checkpoint (it pads the experts) or pick an "
+                             "expert axis that divides the expert count")
+        target = checkpoint.abstract_params(config, plan, jdtype)
+        target = jax.tree_util.tree_map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, layout.param_shardings(target))
+        return checkpoint.restore_converted(path, config, plan, jdtype, target=target)
+    rescale = None
+    if numerics.trn2_weights:
+        def rescale(codes, scale, block):
+            return trn2_rescale(codes, scale, block, numerics.fp8_max)
+    bar = None
+    if progress and jax.process_index() == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(desc=f"loading {os.path.basename(os.path.normpath(path))} ({layout.describe()})", unit="tensor",
+                   leave=False)
+
+    def report(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    try:
+        return checkpoint.load_params_sharded(path, config, plan, np.dtype(jdtype), sharding_for, n_experts,
+                                              progress=report, fp8_rescale=rescale)
+    finally:
+        if bar is not None:
+            bar.close()

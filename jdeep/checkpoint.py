@@ -23,7 +23,8 @@ from .param_spec import (FP4, FP8, FP8_DEQUANT, INDEX, TensorSpec, engram_table_
                          tree_leaves)
 from .plan import LayerPlan
 
-__all__ = ["CheckpointError", "SafetensorsFile", "CheckpointReader", "load_params", "abstract_params", "validate_checkpoint",
+__all__ = ["CheckpointError", "SafetensorsFile", "CheckpointReader", "load_params", "load_params_sharded",
+           "padded_experts", "tree_path", "abstract_params", "validate_checkpoint",
            "save_converted", "restore_converted", "is_converted", "write_safetensors"]
 
 # safetensors dtype name -> numpy dtype (fp8 codes are read as raw uint8 bytes, never as float8)
@@ -96,16 +97,21 @@ class SafetensorsFile:
 
     def get(self, name: str) -> np.ndarray:
         e, dt, count = self._checked(name)
-        out = np.empty(count, dt)
+        return self.read_range(name, 0, count * dt.itemsize).reshape(e.shape)
+
+    def read_range(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Bytes [start, stop) of tensor `name`'s data as a flat array of its dtype (positioned reads)."""
+        e, dt, _ = self._checked(name)
+        out = np.empty((stop - start) // dt.itemsize, dt)
         raw = memoryview(out.view(np.uint8))
         with open(self.path, "rb", buffering=0) as f:
-            done, offset = 0, self._data_start + e.start
+            done, offset = 0, self._data_start + e.start + start
             while done < len(raw):
                 n = os.preadv(f.fileno(), [raw[done:done + (1 << 30)]], offset + done)
                 if n <= 0:
                     raise CheckpointError(f"tensor {name!r}: unexpected end of {self.path}")
                 done += n
-        return out.reshape(e.shape)
+        return out
 
     def view(self, name: str, random_access: bool = False) -> np.ndarray:
         """Read-only memory-mapped view of one tensor. `random_access`: tell the kernel the region is read at
@@ -354,20 +360,7 @@ def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
     reader = CheckpointReader(folder)
     expected = validate_checkpoint(reader, config, plan, folder)
     place = place or (lambda a: a)
-
-    # group the checkpoint tensors by the leaf they fill
-    fills: dict[tuple, list] = {}
-    for name, spec, dest in expected:
-        prefix = name[: len(name) - len(spec.name)]
-        key0 = ("top",) if dest[0] == "top" else ("seg", dest[1], dest[2])
-        for tname, role, _shape, suffix in _roles(spec):
-            if spec.fmt == FP8_DEQUANT:
-                path = key0 + spec.path
-            else:
-                path = key0 + spec.path + ((suffix,) if suffix else ())
-            idx = () if dest[0] == "top" else (dest[3],) + ((spec.expert,) if spec.expert is not None else ())
-            fills.setdefault(path, []).append((prefix + tname, role, spec, idx))
-
+    fills = _fill_plan(expected)
     leaves = _leaf_plan(config, plan)
     params: dict[str, Any] = {"segments": [[{} for _ in seg.pattern] for seg in plan.segments]}
     done = 0
@@ -421,6 +414,137 @@ def load_params(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
 
 
 _ASSEMBLE_ON_DEVICE_BYTES = 64 << 20
+
+
+def _fill_plan(expected: list) -> dict[tuple, list]:
+    """The checkpoint tensors grouped by the leaf they fill: leaf key -> [(name, role, spec, idx)], idx the
+    tensor's position on the leaf's leading axes ((), (rep,) or (rep, expert))."""
+    fills: dict[tuple, list] = {}
+    for name, spec, dest in expected:
+        prefix = name[: len(name) - len(spec.name)]
+        key0 = ("top",) if dest[0] == "top" else ("seg", dest[1], dest[2])
+        for tname, role, _shape, suffix in _roles(spec):
+            if spec.fmt == FP8_DEQUANT:
+                path = key0 + spec.path
+            else:
+                path = key0 + spec.path + ((suffix,) if suffix else ())
+            idx = () if dest[0] == "top" else (dest[3],) + ((spec.expert,) if spec.expert is not None else ())
+            fills.setdefault(path, []).append((prefix + tname, role, spec, idx))
+    return fills
+
+
+def tree_path(key: tuple) -> tuple:
+    """A leaf key of `_leaf_plan` as its path in the param tree (("embed",), ("segments", s, slot, ...))."""
+    return key[1:] if key[0] == "top" else ("segments",) + key[1:]
+
+
+def padded_experts(n_experts: int, expert_axis: int) -> int:
+    """The routed-expert count rounded up to a multiple of the mesh's expert axis (zero experts pad it)."""
+    return -(-n_experts // expert_axis) * expert_axis
+
+
+def load_params_sharded(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any,
+                        sharding_for: Callable[[tuple, tuple[int, ...]], Any], n_experts: int | None = None,
+                        progress: Callable[[int, int], None] | None = None,
+                        fp8_rescale: Callable | None = None) -> dict:
+    """Read the checkpoint into global arrays sharded over a mesh, each process reading only the slices its
+    own devices hold.
+
+    sharding_for(tree path, shape) -> jax.sharding.Sharding of that leaf. n_experts: the routed-expert axis
+    length of the expert leaves (>= config.n_routed_experts; the extra experts are zeros, never routed to).
+    For every distinct shard region of a leaf the covered checkpoint tensors are read (a routed expert is
+    one tensor, so an expert shard reads only its experts; a row slice of a tensor is one contiguous read,
+    other slices copy from a memory map), converted as `load_params` does, and put on the devices holding
+    that region; host memory holds one region at a time. Validation is `load_params`'.
+    """
+    import jax
+
+    reader = CheckpointReader(folder)
+    expected = validate_checkpoint(reader, config, plan, folder)
+    fills = _fill_plan(expected)
+    leaves = _leaf_plan(config, plan)
+    E = config.n_routed_experts
+    n_experts = E if n_experts is None else int(n_experts)
+    if n_experts < E:
+        raise ValueError(f"n_experts={n_experts} is below the config's {E} routed experts")
+    total = sum(len(v) for v in fills.values())
+    params: dict[str, Any] = {"segments": [[{} for _ in seg.pattern] for seg in plan.segments]}
+    done = 0
+    for key, (shape, cls) in leaves.items():
+        items = fills[key]
+        if key[0] == "seg" and items[0][2].expert is not None:
+            shape = shape[:1] + (n_experts,) + shape[2:]
+        leaf_dtype = _leaf_dtype(cls, dtype)
+        sharding = sharding_for(tree_path(key), shape)
+        by_region: dict[tuple, list] = {}
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            region = tuple((sl.indices(n)[0], sl.indices(n)[1]) for sl, n in zip(index, shape))
+            by_region.setdefault(region, []).append(device)
+        arrays = []
+        for region, devices in by_region.items():
+            host = _read_region(reader, key, items, region, leaf_dtype, config, fp8_rescale, fills)
+            arrays += [jax.device_put(host, d) for d in devices]
+            del host
+        _put(params, key, jax.make_array_from_single_device_arrays(shape, sharding, arrays))
+        done += len(items)
+        if progress is not None:
+            progress(done, total)
+    return params
+
+
+def _read_region(reader: "CheckpointReader", key: tuple, items: list, region: tuple, leaf_dtype: np.dtype,
+                 config: ModelConfig, fp8_rescale: Callable | None, fills: dict) -> np.ndarray:
+    """One shard region ((start, stop) per leaf dim) of a leaf, read from the tensors that fall inside it."""
+    out = np.zeros(tuple(b - a for a, b in region), leaf_dtype)
+    if items[0][2].fmt == FP8_DEQUANT:                     # wo_a: codes + scale -> bf16 values, per layer
+        by_idx: dict[tuple, dict] = {}
+        for name, role, spec, idx in items:
+            by_idx.setdefault(idx, {"spec": spec})[role] = name
+        items = [(d, "dequant", d["spec"], idx) for idx, d in by_idx.items()]
+    for name, role, spec, idx in items:
+        lead, rest = region[:len(idx)], region[len(idx):]
+        if not all(a <= i < b for i, (a, b) in zip(idx, lead)):
+            continue
+        dst = tuple(i - a for i, (a, _) in zip(idx, lead))
+        sl = tuple(slice(a, b) for a, b in rest)
+        if role == "dequant":
+            codes = reader.get(name["fp8"]).view(np.uint8)
+            scale = _scale_bytes(reader.get(name["scale"]), reader.entry(name["scale"]).dtype, name["scale"])
+            part = _dequant_host(codes, scale, spec.block).astype(ml_dtypes.bfloat16)[sl]
+        elif fp8_rescale is not None and role in ("fp8", "scale") and spec.fmt == FP8:
+            codes_name = name if role == "fp8" else name[: -len(".scale")] + ".weight"
+            scale_name = codes_name[: -len(".weight")] + ".scale"
+            codes, scale = fp8_rescale(reader.get(codes_name).view(np.uint8),
+                                       _scale_bytes(reader.get(scale_name), reader.entry(scale_name).dtype, scale_name),
+                                       spec.block)
+            part = (codes if role == "fp8" else scale)[sl]
+        else:
+            part = _tensor_slice(reader, name, sl[::-1] if spec.input_major else sl)
+            if spec.input_major:
+                part = part.T
+            if role == "index":
+                if part.size and (part.min() < 0 or part.max() >= config.n_routed_experts):
+                    raise CheckpointError(f"tensor {name!r} holds expert ids outside [0, {config.n_routed_experts})")
+            elif role == "scale":
+                part = _scale_bytes(part, reader.entry(name).dtype, name)
+            elif role in ("fp8", "fp4"):
+                part = part.view(np.uint8)
+        out[dst] = part
+    return out
+
+
+def _tensor_slice(reader: "CheckpointReader", name: str, sl: tuple) -> np.ndarray:
+    """tensor[sl] without reading the rest: a row range is one positioned read; other slices are copied out of a
+    memory map (only the touched pages are read)."""
+    f = reader.files[reader._where[name]]
+    e, dt, _ = f._checked(name)
+    full = all(s.start == 0 and s.stop == n for s, n in zip(sl[1:], e.shape[1:]))
+    if not sl or (full and sl[0].start == 0 and sl[0].stop == e.shape[0]):
+        return f.get(name)
+    if full:
+        row = int(np.prod(e.shape[1:], dtype=np.int64)) * dt.itemsize
+        return f.read_range(name, sl[0].start * row, sl[0].stop * row).reshape((sl[0].stop - sl[0].start,) + e.shape[1:])
+    return np.array(f.view(name)[sl])
 
 
 def _fill(buf: np.ndarray, idx: tuple, reader: "CheckpointReader", name: str, role: str, config: ModelConfig,
@@ -536,7 +660,9 @@ def save_converted(folder: str, config: ModelConfig, params: dict, dtype: str) -
         json.dump({"format": _CONVERTED_FORMAT, "dtype": dtype}, f)
 
 
-def restore_converted(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any) -> dict:
+def restore_converted(folder: str, config: ModelConfig, plan: LayerPlan, dtype: Any, target: Any = None) -> dict:
+    """The converted param tree; `target` (abstract arrays, possibly with shardings) defaults to
+    abstract_params on the default device."""
     import orbax.checkpoint as ocp
 
     folder = os.path.abspath(folder)
@@ -548,6 +674,7 @@ def restore_converted(folder: str, config: ModelConfig, plan: LayerPlan, dtype: 
     saved_dtype = marker.get("dtype")
     if np.dtype(saved_dtype) != np.dtype(dtype):
         raise ConfigError(f"{folder} was converted with dtype {saved_dtype}; load it with dtype={saved_dtype!r}")
-    target = abstract_params(config, plan, dtype)
+    if target is None:
+        target = abstract_params(config, plan, dtype)
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(os.path.join(folder, "params"), target)

@@ -24,7 +24,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         random_checkpoint(TINY_CONFIG if args.arch == "v4" else tiny_v41_config(), tmp, seed=args.seed)
-        model = jdeep.load(tmp, dtype=args.dtype, compile_mode=args.compile_mode, host_embedding=args.host_embedding)
+        model = jdeep.load(tmp, dtype=args.dtype, compile_mode=args.compile_mode, host_embedding=args.host_embedding,
+                           mesh=args.mesh)
         name = "DeepSeek-V4" if args.arch == "v4" else "DeepSeek-V4.1 (fp8/fp4, Engram)"
         print(f"built and loaded a seeded random tiny {name} ({model.config.n_layers} layers, "
               f"{len(model.plan.segments)} scan segments) in {time.perf_counter() - t0:.1f} s")
@@ -72,7 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SystemExit("jdeep generate: give exactly one of --prompt-ids, --prompt or --prompts-file")
     model = jdeep.load(args.model, dtype=args.dtype, quantize_activations=args.quantize_activations,
                        fp8_max=args.fp8_max, packed_kv=args.packed_kv, progress=True,
-                       compile_mode=args.compile_mode, host_embedding=args.host_embedding)
+                       compile_mode=args.compile_mode, host_embedding=args.host_embedding, mesh=args.mesh)
     tok = _tokenizer(args.model)
     if args.prompts_file is not None:
         return _generate_file(args, model, tok)
@@ -147,7 +148,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if tok is None:
         raise SystemExit(f"jdeep chat: {args.model} has no tokenizer.json")
     model = jdeep.load(args.model, dtype=args.dtype, progress=True, compile_mode=args.compile_mode,
-                       host_embedding=args.host_embedding)
+                       host_embedding=args.host_embedding, mesh=args.mesh)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -206,7 +207,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             hf_config(ModelConfig.from_file(folder))     # an incomparable checkpoint fails before loading
         model = jdeep.load(folder, dtype=args.dtype, progress=True, compile_mode=args.compile_mode,
-                           host_embedding=args.host_embedding)
+                           host_embedding=args.host_embedding, mesh=args.mesh)
         prompts = None
         if args.prompts_file:
             with open(args.prompts_file, encoding="utf-8") as f:
@@ -259,10 +260,29 @@ def cmd_info(args: argparse.Namespace) -> int:
     from jdeep.config import ModelConfig, preset
     from jdeep.info import summary
 
+    planning = [f for f, v in (("--batch", args.batch), ("--max-len", args.max_len), ("--packed-kv", args.packed_kv))
+                if v not in (None, False)]
+    if args.mesh is None and planning:
+        raise ValueError(f"{', '.join(planning)} only apply with --mesh (they size the decode state per device): "
+                         "add --mesh (--mesh data=1 for a single device)")
+    for flag, v in (("--batch", args.batch), ("--max-len", args.max_len)):
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {v}")
+    if args.mesh is not None:
+        from jdeep.sharding import parse_mesh
+
+        mesh = parse_mesh(args.mesh)   # a bad mesh fails before any work
     config = preset(args.preset) if args.preset else ModelConfig.from_file(args.model)
     import ml_dtypes
 
-    print(summary(config, np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16))
+    dtype = np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16
+    print(summary(config, dtype))
+    if args.mesh is not None:
+        from jdeep.info import device_plan, mesh_summary
+
+        print()
+        print(mesh_summary(device_plan(config, mesh, dtype, batch=args.batch or 1, max_len=args.max_len or 8192,
+                                       packed_kv=args.packed_kv)))
     return 0
 
 
@@ -369,6 +389,45 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
                    help="scan: one program per step; regions: a host loop over layers, one program per layer kind's "
                         "half (default $JDEEP_COMPILE_MODE, else regions on Neuron and scan elsewhere)")
     p.add_argument("--host-embedding", action="store_true", help="keep the token embedding table in host memory")
+    p.add_argument("--mesh", help="shard the model over a device mesh, e.g. 'data=2,expert=4' or "
+                                  "'tensor=2,expert=4' (axes data, tensor, expert; the sizes multiply to the device "
+                                  "count of all processes)")
+    p.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                   help="HOST:PORT of process 0 for a multi-process run (jax.distributed; default "
+                        "$JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"),
+                   help="processes in a multi-process run (default $JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"),
+                   help="this process's index, 0 .. num-processes-1 (default $JAX_PROCESS_ID)")
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def _init_distributed(args: argparse.Namespace) -> None:
+    """jax.distributed.initialize for --coordinator/--num-processes/--process-id (before any device is touched).
+    CPU processes use JAX's CPU collectives (gloo). Processes other than 0 print nothing on stdout."""
+    given = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]
+    if all(v is None for v in given):
+        return
+    coordinator, n, pid = given
+    if None in given:
+        raise ValueError("a multi-process run needs --coordinator HOST:PORT, --num-processes N and --process-id I "
+                         "(or $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID)")
+    if n < 1 or not 0 <= pid < n:
+        raise ValueError(f"--process-id must be in [0, {n}) and --num-processes positive, got {pid} of {n}")
+    if ":" not in coordinator:
+        raise ValueError(f"--coordinator must be HOST:PORT, got {coordinator!r}")
+    import jax
+
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=pid)
+    # Results go to Python's stdout on process 0 only; native libraries (gloo's connection messages) that
+    # write to file descriptor 1 are sent to stderr, so stdout stays machine-readable.
+    sys.stdout.flush()
+    sys.stdout = os.fdopen(os.dup(1), "w") if pid == 0 else open(os.devnull, "w")
+    os.dup2(2, 1)
 
 
 def _cache_args(p: argparse.ArgumentParser) -> None:
@@ -459,6 +518,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model")
     src.add_argument("--preset", choices=["v4-flash", "v4-pro", "v41-flash"])
     i.add_argument("--dtype", **dtype)
+    i.add_argument("--mesh", help="deployment planning: also print parameter and decode-state bytes per device of this "
+                                  "mesh, e.g. data=1,tensor=4,expert=16 (sharded as jdeep.load(..., mesh=) shards)")
+    i.add_argument("--batch", type=int, help="with --mesh: sequence slots of the decode state (default 1)")
+    i.add_argument("--max-len", type=int, help="with --mesh: tokens per sequence of the decode state (default 8192)")
+    i.add_argument("--packed-kv", action="store_true", help="with --mesh: the KV caches as uint8 fp8 records")
     i.set_defaults(fn=cmd_info)
 
     c = sub.add_parser("convert", help="load a checkpoint and save the converted tree with Orbax")
@@ -501,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _compile_cache(args)
     try:
+        _init_distributed(args)
         return args.fn(args)
     except (FileNotFoundError, ValueError) as e:  # ConfigError / CheckpointError are ValueErrors
         print(f"jdeep {args.command}: {e}", file=sys.stderr)

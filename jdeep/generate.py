@@ -80,8 +80,8 @@ def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: in
                 toks[b, :n[b]] = p[start:start + n[b]]
                 pos[b, :n[b]] = np.arange(start, start + n[b])
         eng = model.engram_inputs(history, toks, pos)
-        logits, state = step(model.params, state, jnp.asarray(toks), jnp.asarray(pos), eng)
-        ends_here = jnp.asarray((lens > start) & (lens <= start + chunk_size))
+        logits, state = step(model.params, state, model.put(toks), model.put(pos), eng)
+        ends_here = model.put((lens > start) & (lens <= start + chunk_size))
         last = logits if last is None else jnp.where(ends_here[:, None], logits, last)
     return last, state
 
@@ -137,6 +137,11 @@ _decode_block_jit = jax.jit(_decode_block, static_argnames=("model_step_fn", "n_
 _advance_jit = jax.jit(_advance, static_argnums=(6,))
 _feed_jit = jax.jit(_feed)
 _sample_jit = jax.jit(sample)
+
+
+@jax.jit
+def _first_done_jit(tok, stops, max_new, lens):
+    return jnp.any(tok[:, None] == stops, axis=-1) | (max_new <= 1) | (lens == 0)
 
 
 def _sampling_for(n: int, sampling, max_new_tokens: int, temperature: float, seed: int
@@ -207,16 +212,17 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     stops = np.full((Bb, width), -1, np.int32)
     for b, st in enumerate(stop_lists):
         stops[b, :len(st)] = st
-    stops = jnp.asarray(stops)
     sb = batch_params(params, Bb, default_seed=seed)
-    max_new = jnp.asarray([p.max_new_tokens for p in params] + [1] * (Bb - B), jnp.int32)
-    lens = jnp.asarray(np.array([len(p) for p in prompts] + [0] * (Bb - B), np.int32))
+    max_new = np.asarray([p.max_new_tokens for p in params] + [1] * (Bb - B), np.int32)
+    lens = np.array([len(p) for p in prompts] + [0] * (Bb - B), np.int32)
 
-    first, sb, stops, max_new, lens = model.to_sampler((first, sb, stops, max_new, lens))
-    tok = _sample_jit(first, sb, jnp.zeros((Bb,), jnp.int32))
-    done = jnp.any(tok[:, None] == stops, axis=-1) | (max_new <= 1) | (lens == 0)
-    carry = (tok, jnp.ones((Bb,), jnp.int32), done)
-    tokens, logits = [np.asarray(tok)[:, None]], [np.asarray(first)[:, None]] if return_logits else None
+    first, sb, stops, max_new, lens, zeros, ones = model.to_sampler(
+        (first, sb, stops, max_new, lens, np.zeros((Bb,), np.int32), np.ones((Bb,), np.int32)))
+    tok = _sample_jit(first, sb, zeros)
+    done = _first_done_jit(tok, stops, max_new, lens)
+    carry = (tok, ones, done)
+    fetch = model.fetch
+    tokens, logits = [fetch(tok)[:, None]], [fetch(first)[:, None]] if return_logits else None
     matchers = {b: StopMatcher(tokenizer, p.stop) for b, p in enumerate(params) if p.stop}
     kept = np.full(B, n_new)          # tokens kept per request (a stop string ends one early)
     sent = np.zeros(B, int)           # tokens already streamed per request
@@ -232,9 +238,9 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
                     kept[b] = m.n_tokens
                     stopped.append(b)
         if stopped:                                  # end those rows on the device too
-            done = np.array(carry[2])
+            done = np.array(fetch(carry[2]))
             done[stopped] = True
-            carry = (carry[0], carry[1], jnp.asarray(done))
+            carry = (carry[0], carry[1], model.to_sampler(done) if model.layout is not None else jnp.asarray(done))
         if stream is not None:
             chunks = []
             for b in range(B):
@@ -245,15 +251,16 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
 
     after_block(tokens[0])
     step_fn = _Hashable(functools.partial(model_step, config=model.config, plan=model.plan, numerics=model.numerics,
-                                          all_logits=False), (model.config, model.plan, model.numerics))
+                                          all_logits=False, layout=model.layout),
+                        (model.config, model.plan, model.numerics, model.layout))
     # power-of-two blocks: a handful of compiled programs whatever max_new_tokens is
     block = 1 if model.engram is not None else min(length_bucket(stream_every, 1), length_bucket(n_new - 1, 1))
     produced = 1
-    while produced < n_new and not bool(np.all(np.asarray(carry[2]))):
+    while produced < n_new and not bool(np.all(fetch(carry[2]))):
         engram = None
         if model.engram is not None:
-            t_last, count, dn = (np.asarray(c) for c in carry)
-            pos = np.where(dn, -1, np.asarray(lens) + count - 1).astype(np.int32)[:, None]
+            t_last, count, dn = (fetch(c) for c in carry)
+            pos = np.where(dn, -1, fetch(lens) + count - 1).astype(np.int32)[:, None]
             engram = model.engram_inputs(history, np.maximum(t_last, 0)[:, None], pos)
         if model.host_loop:
             state, carry, toks, lg = _host_decode_block(model, state, engram, carry, lens, sb, stops, max_new,
@@ -262,10 +269,10 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
             state, carry, toks, lg = _decode_block_jit(model.params, state, engram, carry, lens, sb, stops, max_new,
                                                        model_step_fn=step_fn, n_steps=block,
                                                        keep_logits=return_logits)
-        toks = np.asarray(toks).T                                        # [B, block]
+        toks = fetch(toks).T                                             # [B, block]
         tokens.append(toks)
         if return_logits:
-            logits.append(np.asarray(lg).transpose(1, 0, 2))
+            logits.append(fetch(lg).transpose(1, 0, 2))
         produced += block
         after_block(toks)
     out = np.concatenate(tokens, axis=1)[:B, :n_new]
@@ -320,5 +327,5 @@ def forward(model: Model, token_ids: Sequence[int], pad_to: int | None = None) -
     pos = np.full((1, S), -1, np.int32)
     toks[0, :T], pos[0, :T] = ids, np.arange(T)
     eng = model.engram_inputs(model.new_history(1), toks, pos)
-    logits, _ = model.step_fn(all_logits=True)(model.params, state, jnp.asarray(toks), jnp.asarray(pos), eng)
-    return np.asarray(logits[0, :T])
+    logits, _ = model.step_fn(all_logits=True)(model.params, state, model.put(toks), model.put(pos), eng)
+    return model.fetch(logits)[0, :T]

@@ -27,7 +27,7 @@ from .layers.shared_attention import empty_published
 from .numerics import Numerics
 from .packing import Packed, is_packed, split_experts
 from .plan import LayerPlan, Segment
-from .state import init_state, source_index
+from .state import empty_state, init_state, source_index
 
 __all__ = ["Model", "model_step", "DTYPES"]
 
@@ -44,7 +44,7 @@ def _unpacked(p: Any) -> dict:
 
 
 def _run_segment(seg: Segment, seg_params: list, seg_state: list, X: jax.Array, chunk, config: ModelConfig,
-                 numerics: Numerics):
+                 numerics: Numerics, layout=None):
     split = [_split_experts(sp) for sp in seg_params]
     per_layer = [s[0] for s in split]
     experts = [s[1] for s in split]
@@ -55,7 +55,7 @@ def _run_segment(seg: Segment, seg_params: list, seg_state: list, X: jax.Array, 
         st = list(st)
         for j, kind in enumerate(seg.pattern):
             X, st[j] = block(_unpacked(p_slots[j]), experts[j], st[j], r, X, chunk, config=config, numerics=numerics,
-                             kind=kind, freqs=freqs[j])
+                             kind=kind, freqs=freqs[j], layout=layout)
         return (X, st, r + 1), None
 
     (X, seg_state, _), _ = jax.lax.scan(body, (X, list(seg_state), jnp.int32(0)), per_layer)
@@ -76,7 +76,7 @@ def _segment_aux(seg: Segment, config: ModelConfig, engram: tuple | None) -> lis
 
 
 def _run_segment_v41(seg: Segment, seg_params: list, seg_state: list, sources: dict, X, pre, published, aux,
-                     chunk, config: ModelConfig, numerics: Numerics, streams: bool = False):
+                     chunk, config: ModelConfig, numerics: Numerics, streams: bool = False, layout=None):
     split = [_split_experts(sp) for sp in seg_params]
     per_layer = [s[0] for s in split]
     experts = [s[1] for s in split]
@@ -91,7 +91,8 @@ def _run_segment_v41(seg: Segment, seg_params: list, seg_state: list, sources: d
             a = a_slots[j]
             X, pre, st[j]["window"], sources, published = block_v41(
                 _unpacked(p_slots[j]), experts[j], st[j]["window"], r, sources, a["row"], X, pre, published, a.get("engram"),
-                chunk, config=config, numerics=numerics, kind=kind, freqs=freqs[j], record=outs if streams else None)
+                chunk, config=config, numerics=numerics, kind=kind, freqs=freqs[j], record=outs if streams else None,
+                layout=layout)
         return (X, pre, published, st, sources, r + 1), (outs if streams else None)
 
     init = (X, pre, published, list(seg_state), sources, jnp.int32(0))
@@ -100,7 +101,7 @@ def _run_segment_v41(seg: Segment, seg_params: list, seg_state: list, sources: d
 
 
 def _layers_v41(params: dict, state: dict, X: jax.Array, chunk, engram: tuple | None, config: ModelConfig,
-                plan: LayerPlan, numerics: Numerics, streams: bool = False):
+                plan: LayerPlan, numerics: Numerics, streams: bool = False, layout=None):
     """The V4.1 stack: carries the delayed pre-mix and the published top-k / candidates across layers."""
     if config.engram is not None and engram is None:
         raise ValueError("this model has Engram layers: model_step needs the host-gathered `engram` rows")
@@ -115,7 +116,7 @@ def _layers_v41(params: dict, state: dict, X: jax.Array, chunk, engram: tuple | 
         aux = _segment_aux(seg, config, engram)
         X, pre, published, seg_state, sources, ys = _run_segment_v41(
             seg, params["segments"][s], state["segments"][s], sources, X, pre, published, aux, chunk, config, numerics,
-            streams)
+            streams, layout)
         new_segments.append(seg_state)
         if streams:
             k = 0
@@ -136,7 +137,7 @@ def _layers_v41(params: dict, state: dict, X: jax.Array, chunk, engram: tuple | 
 
 def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Array, engram: tuple | None = None,
                embeds: jax.Array | None = None, *, config: ModelConfig, plan: LayerPlan,
-               numerics: Numerics = Numerics(), all_logits: bool = False, streams: bool = False):
+               numerics: Numerics = Numerics(), all_logits: bool = False, streams: bool = False, layout=None):
     """One chunk through the model.
 
     tokens int32 [B, S]; positions int32 [B, S] (absolute, consecutive per row, -1 = padding after the
@@ -147,6 +148,8 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     gathered on the host (host-resident embedding; params then need no "embed"). With `streams` (V4.1, for layer-by-layer checks)
     a third output holds the residual streams after every block, block_out [n_layers, B, S, n, d], and
     right after every Engram update, engram_out [n_engram, B, S, n, d].
+    layout (sharding.Layout): the model runs on a device mesh: the MoE is expert-parallel and the new state
+    and the logits are constrained to the layout's shardings (state by sequence slot, logits replicated).
     """
     chunk = make_chunk(tokens, positions, config.vocab_size)
     if embeds is None:
@@ -158,7 +161,7 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     last = jnp.clip(chunk.n_valid - 1, 0, X.shape[1] - 1)
     recorded = None
     if config.is_v41:
-        out = _layers_v41(params, state, X, chunk, engram, config, plan, numerics, streams)
+        out = _layers_v41(params, state, X, chunk, engram, config, plan, numerics, streams, layout)
         X, pre, new_state = out[:3]
         recorded = out[3] if streams else None
         if not all_logits:
@@ -168,7 +171,8 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     else:
         segments = []
         for s, seg in enumerate(plan.segments):
-            X, seg_state = _run_segment(seg, params["segments"][s], state["segments"][s], X, chunk, config, numerics)
+            X, seg_state = _run_segment(seg, params["segments"][s], state["segments"][s], X, chunk, config, numerics,
+                                        layout)
             segments.append(seg_state)
         new_state = {"segments": segments, "sources": state["sources"]}
         if not all_logits:
@@ -176,11 +180,15 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
         h = hc_head_collapse(X, params["hc_head_fn"], params["hc_head_base"], params["hc_head_scale"],
                              norm_eps=config.norm_eps, hc_eps=config.hc_eps)
     h = rms_norm(h, params["norm"], config.norm_eps)
+    logits = _head(h, params["head"])
+    if layout is not None:
+        new_state = layout.constrain_state(new_state)
+        logits = layout.constrain_replicated(logits)
     if streams:
         if recorded is None:
             raise ValueError("streams=True is implemented for DeepSeek-V4.1 models")
-        return _head(h, params["head"]), new_state, recorded
-    return _head(h, params["head"]), new_state
+        return logits, new_state, recorded
+    return logits, new_state
 
 
 def _head(h: jax.Array, head: jax.Array) -> jax.Array:
@@ -190,25 +198,27 @@ def _head(h: jax.Array, head: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool) -> Callable:
-    """One jitted step per (architecture, numerics, logits mode), shared by every Model that has them."""
-    fn = functools.partial(model_step, config=config, plan=plan, numerics=numerics, all_logits=all_logits)
+def compiled_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool, layout=None) -> Callable:
+    """One jitted step per (architecture, numerics, logits mode, layout), shared by every Model that has them."""
+    fn = functools.partial(model_step, config=config, plan=plan, numerics=numerics, all_logits=all_logits,
+                           layout=layout)
     return jax.jit(fn, donate_argnums=(1,))
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_rows_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool, rows: int
-                       ) -> Callable:
+def compiled_rows_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool, rows: int,
+                       layout=None) -> Callable:
     """A step over the first `rows` sequence slots of a larger state (a batch-size bucket): those rows of
     every state leaf ([R, B, ...]) are sliced out, stepped and written back in place (state donated); the
     other slots are neither read nor changed. Tokens, positions and logits have `rows` rows."""
-    fn = functools.partial(model_step, config=config, plan=plan, numerics=numerics, all_logits=all_logits)
+    fn = functools.partial(model_step, config=config, plan=plan, numerics=numerics, all_logits=all_logits,
+                           layout=layout)
 
     def step(params, state, tokens, positions, engram=None, embeds=None):
         sub = jax.tree_util.tree_map(lambda a: a[:, :rows], state)
         logits, sub = fn(params, sub, tokens, positions, engram, embeds)
         state = jax.tree_util.tree_map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=1), state, sub)
-        return logits, state
+        return logits, (state if layout is None else layout.constrain_state(state))
 
     return jax.jit(step, donate_argnums=(1,))
 
@@ -249,6 +259,7 @@ class Model:
     compile_mode: str = "scan"
     host_embed: Any = None
     sampler_device: Any = None   # where sampling runs (None: with the model; on Neuron the CPU backend)
+    layout: Any = None           # jdeep.sharding.Layout of a model sharded over a device mesh
 
     def __post_init__(self):
         from .platform import COMPILE_MODES
@@ -257,6 +268,10 @@ class Model:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if self.compile_mode == "regions" and is_packed(self.params):
             raise ValueError("packed parameters (pack_params) run only in the scan compile mode")
+        if self.layout is not None and (self.compile_mode != "scan" or self.host_embed is not None
+                                        or self.sampler_device is not None):
+            raise ValueError("a model on a device mesh runs in the scan compile mode, with the embedding and the "
+                             "sampler on the mesh (regions mode, host embedding and a host sampler are single-device)")
 
     @property
     def host_loop(self) -> bool:
@@ -264,8 +279,26 @@ class Model:
         return self.compile_mode == "regions" or self.host_embed is not None or self.sampler_device is not None
 
     def to_sampler(self, tree: Any) -> Any:
-        """Arrays moved to the sampler's device (unchanged when sampling runs with the model)."""
+        """Arrays moved to the sampler's device (unchanged when sampling runs with the model; replicated over
+        the mesh for a sharded model)."""
+        if self.layout is not None:
+            return self.layout.put_tree(tree)
         return tree if self.sampler_device is None else jax.device_put(tree, self.sampler_device)
+
+    def put(self, x: Any) -> jax.Array:
+        """A host array as a step input: on the default device, or replicated over the mesh (every process of a
+        multi-process run passes the same value)."""
+        return jnp.asarray(x) if self.layout is None else self.layout.put(x)
+
+    def fetch(self, x: jax.Array) -> np.ndarray:
+        """A device array on the host, also when it spans the devices of several processes."""
+        if getattr(x, "is_fully_addressable", True):
+            return np.asarray(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     def step_fn(self, all_logits: bool, rows: int | None = None) -> Callable:
         """`step(params, state, tokens, positions, engram=None) -> (logits, state)`, state donated. With `rows`,
@@ -276,9 +309,9 @@ class Model:
 
             fn = regions_step(self.config, self.plan, self.numerics, all_logits, rows)
         elif rows is None:
-            fn = compiled_step(self.config, self.plan, self.numerics, all_logits)
+            fn = compiled_step(self.config, self.plan, self.numerics, all_logits, self.layout)
         else:
-            fn = compiled_rows_step(self.config, self.plan, self.numerics, all_logits, rows)
+            fn = compiled_rows_step(self.config, self.plan, self.numerics, all_logits, rows, self.layout)
         return fn if self.host_embed is None else HostEmbedStep(fn, self.host_embed)
 
     def new_history(self, batch: int) -> Any:
@@ -294,15 +327,32 @@ class Model:
         tokens = np.asarray(tokens)
         dead = None if self.config.image_token_id is None else tokens == self.config.image_token_id
         codes, scales = self.engram.rows(history, tokens, np.sum(np.asarray(positions) >= 0, axis=1), dead)
-        return jnp.asarray(codes), jnp.asarray(scales)
+        return self.put(codes), self.put(scales)
 
     def init_state(self, batch: int, max_len: int) -> list:
-        """Empty decode state for `batch` sequences of up to `max_len` tokens (see state.py)."""
-        return init_state(self.config, self.plan, batch, max_len, self.dtype, self.numerics)
+        """Empty decode state for `batch` sequences of up to `max_len` tokens (see state.py); on a mesh, created
+        sharded over `data` by sequence slot."""
+        if self.layout is None:
+            return init_state(self.config, self.plan, batch, max_len, self.dtype, self.numerics)
+        return _sharded_init_state(self.config, self.plan, batch, max_len, self.dtype, self.numerics, self.layout)
 
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_init_program(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any,
+                          numerics: Numerics, layout) -> Callable:
+    def make():
+        return empty_state(config, plan, batch, max_len, dtype, numerics)
+
+    return jax.jit(make, out_shardings=layout.state_shardings(jax.eval_shape(make)))
+
+
+def _sharded_init_state(config, plan, batch, max_len, dtype, numerics, layout) -> dict:
+    """The empty state created directly in its shards (no full copy on one device)."""
+    return _sharded_init_program(config, plan, batch, max_len, dtype, numerics, layout)()
 
 
 def as_jax_dtype(dtype: Any) -> Any:

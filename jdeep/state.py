@@ -40,7 +40,7 @@ from .kernels.kv_record_v41 import ckv_record_bytes, ikey_record_bytes, window_r
 from .numerics import Numerics
 from .plan import LayerKind, LayerPlan
 
-__all__ = ["slot_state_shapes", "source_state_shapes", "source_index", "init_state", "state_bytes", "reset_slots"]
+__all__ = ["slot_state_shapes", "source_state_shapes", "source_index", "init_state", "empty_state", "state_bytes", "reset_slots"]
 
 State = dict  # {"segments": list (segments) of list (slots) of dict[str, jax.Array], "sources": dict}
 
@@ -109,6 +109,12 @@ def init_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, d
                numerics: Numerics | None = None) -> State:
     """Fresh state for `batch` sequences of at most `max_len` tokens, placed on the default device
     (committed, like the loaded params and the step outputs, so every call hits one compiled program)."""
+    return jax.device_put(empty_state(config, plan, batch, max_len, dtype, numerics), jax.devices()[0])
+
+
+def empty_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any,
+                numerics: Numerics | None = None) -> State:
+    """The fresh state's arrays, without placement (traceable: sharded models build it inside a program)."""
     segments = []
     for seg in plan.segments:
         slots = []
@@ -118,7 +124,7 @@ def init_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, d
         segments.append(slots)
     sources = {key: {k: jnp.full(s, _fill(k), dt) for k, (s, dt) in shapes.items()}
                for key, shapes in source_state_shapes(config, batch, max_len, dtype, numerics).items()}
-    return jax.device_put({"segments": segments, "sources": sources}, jax.devices()[0])
+    return {"segments": segments, "sources": sources}
 
 
 def reset_slots(state: State, mask: jax.Array) -> State:

@@ -11,7 +11,7 @@ from ..config import ModelConfig
 from ..numerics import Numerics
 from .linear import linear_f32
 
-__all__ = ["route", "moe"]
+__all__ = ["route", "moe", "moe_expert_parallel"]
 
 
 def route(x: jax.Array, tokens: jax.Array, p: dict, *, config: ModelConfig, hash_moe: bool) -> tuple[jax.Array, jax.Array]:
@@ -41,19 +41,87 @@ def route(x: jax.Array, tokens: jax.Array, p: dict, *, config: ModelConfig, hash
 
 
 def moe(p: dict, experts: dict, layer: jax.Array, x: jax.Array, tokens: jax.Array, *, config: ModelConfig,
-        numerics: Numerics, hash_moe: bool) -> jax.Array:
+        numerics: Numerics, hash_moe: bool, layout=None) -> jax.Array:
     """x [B, S, d] (after ffn_norm), tokens [B, S] -> [B, S, d].
 
     p: this layer's gate ("gate" weight [E, d], "bias" [E] or "tid2eid" [V, k]) and shared expert;
     experts: w1, w2, w3 of all layers of this kind ([R, E, ...]), indexed by `layer`.
+    layout (sharding.Layout): under expert parallelism the MoE runs in `shard_map` (`moe_expert_parallel`).
     """
+    if layout is not None and layout.expert_parallel:
+        return moe_expert_parallel(p, experts, layer, x, tokens, config=config, numerics=numerics,
+                                   hash_moe=hash_moe, layout=layout)
     B, S, d = x.shape
     xt = x.reshape(B * S, d)
     idx, w = route(xt, tokens.reshape(-1), p["gate"], config=config, hash_moe=hash_moe)
-    T, k = idx.shape
-    op = "moe_experts_gather" if T * k <= config.n_routed_experts else "moe_experts_grouped"
-    routed = kernels.get(op)(xt, idx, w, experts["w1"], experts["w2"], experts["w3"], layer, config.swiglu_limit,
-                             numerics)
+    routed = kernels.get(_routed_op(config, B * S))(xt, idx, w, experts["w1"], experts["w2"], experts["w3"], layer,
+                                                    config.swiglu_limit, numerics)
     sh = p["shared_experts"]
     shared = kernels.get("shared_expert")(xt, sh["w1"], sh["w2"], sh["w3"], config.swiglu_limit, numerics)
     return (routed + shared).astype(x.dtype).reshape(B, S, d)
+
+
+def _routed_op(config: ModelConfig, n_tokens: int) -> str:
+    """Per-pair slices for few (token, expert) pairs (decode), the tiled grouped matmul for many (prefill)."""
+    return "moe_experts_gather" if n_tokens * config.n_activated_experts <= config.n_routed_experts \
+        else "moe_experts_grouped"
+
+
+def moe_expert_parallel(p: dict, experts: dict, layer: jax.Array, x: jax.Array, tokens: jax.Array, *,
+                        config: ModelConfig, numerics: Numerics, hash_moe: bool, layout) -> jax.Array:
+    """The MoE with routed experts split over the mesh's `expert` axis (and their intermediate dim over
+    `tensor` when layout.expert_inter), inside `shard_map`, with fixed shapes.
+
+    Every expert shard sees all tokens of its data shard (x is replicated over `expert`), routes them
+    (the gate is replicated), and runs the same routed-expert kernel as one device on its local experts:
+    the (token, expert) pairs whose expert lives elsewhere keep their slot with routing weight 0, so the
+    work per shard is the worst case (every pair local) and no shape depends on the routing. The partial
+    sums (fp32) are then reduced over the shards:
+      - when the token count divides by the expert axis: reduce-scatter over `expert` (each shard gets the
+        sums of T/ep tokens), the shared expert runs on that slice only, and an all-gather returns the
+        summed rows to every shard;
+      - otherwise (decode with fewer tokens than shards): an all-reduce, the shared expert on all tokens.
+    With the intermediate dim split the partials are also summed over `tensor`. Equal to `moe` up to fp32
+    summation order. Experts padded at load (E not divisible by the axis) are never routed to.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    mesh = layout.mesh
+    sizes = layout.sizes
+    B, S, d = x.shape
+    ep = sizes["expert"]
+    data = "data" if sizes["data"] > 1 and B % sizes["data"] == 0 else None
+    T = (B // (sizes["data"] if data else 1)) * S                  # tokens per data shard
+    scatter = ep > 1 and T % ep == 0
+    inter_axes = ("tensor",) if layout.expert_inter else ()
+    exp_specs = jax.tree_util.tree_map_with_path(
+        lambda kp, a: layout.expert_spec(tuple(k.key for k in kp), a.shape), experts)
+    op = kernels.get(_routed_op(config, T))
+    shared_op = kernels.get("shared_expert")
+
+    def local(x, tokens, gate, shared, experts, layer):
+        xt = x.reshape(-1, d)
+        idx, w = route(xt, tokens.reshape(-1), gate, config=config, hash_moe=hash_moe)
+        n_local = (experts["w1"]["scale"] if isinstance(experts["w1"], dict) else experts["w1"]).shape[1]
+        local_idx = idx - jax.lax.axis_index("expert") * n_local
+        mine = (local_idx >= 0) & (local_idx < n_local)
+        routed = op(xt, jnp.clip(local_idx, 0, n_local - 1), jnp.where(mine, w, 0.0), experts["w1"], experts["w2"],
+                    experts["w3"], layer, config.swiglu_limit, numerics)        # fp32 [T, d], this shard's part
+        if inter_axes:
+            routed = jax.lax.psum(routed, inter_axes)
+        sh = (shared["w1"], shared["w2"], shared["w3"], config.swiglu_limit, numerics)
+        if scatter:
+            part = jax.lax.psum_scatter(routed, "expert", scatter_dimension=0, tiled=True)   # [T/ep, d]
+            mine_rows = jax.lax.dynamic_slice_in_dim(xt, jax.lax.axis_index("expert") * (T // ep), T // ep)
+            y = (part + shared_op(mine_rows, *sh)).astype(x.dtype)
+            y = jax.lax.all_gather(y, "expert", axis=0, tiled=True)                          # [T, d]
+        else:
+            if ep > 1:
+                routed = jax.lax.psum(routed, "expert")
+            y = (routed + shared_op(xt, *sh)).astype(x.dtype)
+        return y.reshape(x.shape)
+
+    rep = P()
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(data), P(data), rep, rep, exp_specs, rep), out_specs=P(data),
+                       check_vma=False)
+    return fn(x, tokens, p["gate"], p["shared_experts"], experts, layer)

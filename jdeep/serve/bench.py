@@ -164,26 +164,26 @@ def _run_one(model: Model, ids: np.ndarray, output_len: int, max_len: int, bw: f
         eng = model.engram_inputs(model.new_history(B), toks, p)
         t = time.perf_counter()
         if hasattr(step_fn, "lower"):
-            compiled.append(step_fn.lower(model.params, state, jnp.asarray(toks), jnp.asarray(p), eng).compile())
+            compiled.append(step_fn.lower(model.params, state, model.put(toks), model.put(p), eng).compile())
         else:
-            jax.block_until_ready(step_fn(model.params, model.init_state(B, max_len), jnp.asarray(toks),
-                                          jnp.asarray(p), eng))
+            jax.block_until_ready(step_fn(model.params, model.init_state(B, max_len), model.put(toks),
+                                          model.put(p), eng))
             compiled.append(step_fn)
         compiled.append(time.perf_counter() - t)
     prefill, t_prefill, decode, t_decode = compiled
 
     t0 = time.perf_counter()
     eng = model.engram_inputs(history, ids, pos)
-    logits, state = prefill(model.params, state, jnp.asarray(ids), jnp.asarray(pos), eng)
-    tok = np.asarray(jax.lax.top_k(logits, 1)[1])                    # waits for the prefill
+    logits, state = prefill(model.params, state, model.put(ids), model.put(pos), eng)
+    tok = model.fetch(jax.lax.top_k(logits, 1)[1])                   # waits for the prefill
     ttft = time.perf_counter() - t0
     itl, tokens = [], [tok]
     for i in range(output_len - 1):
         t = time.perf_counter()
         p = np.full((B, 1), L + i, np.int32)
         eng = model.engram_inputs(history, tok, p)
-        logits, state = decode(model.params, state, jnp.asarray(tok, jnp.int32), jnp.asarray(p), eng)
-        tok = np.asarray(jax.lax.top_k(logits, 1)[1])
+        logits, state = decode(model.params, state, model.put(tok.astype(np.int32)), model.put(p), eng)
+        tok = model.fetch(jax.lax.top_k(logits, 1)[1])
         itl.append(time.perf_counter() - t)
         tokens.append(tok)
     itl_s = np.asarray(itl) if itl else np.asarray([np.nan])

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..generate import length_bucket, validate_prompts
@@ -130,7 +129,7 @@ class Engine:
         if taken:
             mask = np.zeros(self.n_slots, bool)
             mask[taken] = True
-            self.state = _reset(self.state, jnp.asarray(mask))
+            self.state = _reset(self.state, self.model.put(mask))
             if self.history is not None:
                 self.history.reset(taken)
             self._sb = batch_params(self._params, self.n_slots)
@@ -148,14 +147,14 @@ class Engine:
         toks, pos = toks[:n], pos[:n]
         eng = self.model.engram_inputs(self.history, toks, pos)
         step = self.model.step_fn(all_logits=False, rows=None if n == self.n_slots else n)
-        logits, self.state = step(self.model.params, self.state, jnp.asarray(toks), jnp.asarray(pos), eng)
+        logits, self.state = step(self.model.params, self.state, self.model.put(toks), self.model.put(pos), eng)
         return logits
 
     def _emit(self, logits: jax.Array, rows: list[int]) -> list[RequestOutput]:
         n = logits.shape[0]
         counts = np.array([len(s.out.tokens) if s is not None else 0 for s in self.slots[:n]], np.int32)
         sb = self._sb if n == self.n_slots else SamplingBatch(*(a[:n] for a in self._sb))
-        nxt = np.asarray(_sample(*self.model.to_sampler((logits, sb)), jnp.asarray(counts)))
+        nxt = self.model.fetch(_sample(*self.model.to_sampler((logits, sb, counts))))
         done = []
         for i in rows:
             s = self.slots[i]
