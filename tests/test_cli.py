@@ -78,17 +78,17 @@ def test_golden_generate_prints_the_api_tokens(capsys):
 def test_prompts_file_through_the_engine(tmp_path, capsys):
     random_checkpoint(TINY_CONFIG, str(tmp_path / "m"), seed=12)
     rng = np.random.default_rng(1)
-    prompts = [[0] + rng.integers(2, 512, size=int(rng.integers(2, 30))).tolist() for _ in range(64)]
+    prompts = [[0] + rng.integers(2, 512, size=int(rng.integers(2, 30))).tolist() for _ in range(24)]
     lines = [json.dumps({"prompt_ids": p, "max_new_tokens": int(rng.integers(1, 8))}) for p in prompts]
     lines.insert(5, json.dumps({"prompt_ids": [0, 99999]}))              # a bad line fails alone
     (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
     assert main(["generate", "--model", str(tmp_path / "m"), "--prompts-file", str(tmp_path / "p.jsonl"),
                  "--max-num-seqs", "8", "--max-len", "64", "--output", str(tmp_path / "out.jsonl")]) == 0
     recs = [json.loads(ln) for ln in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert len(recs) == 65 and "outside the vocabulary" in recs[5]["error"]
+    assert len(recs) == 25 and "outside the vocabulary" in recs[5]["error"]
     recs.pop(5)
     model = jdeep.load(tmp_path / "m")
-    for p, line, rec in list(zip(prompts, [ln for i, ln in enumerate(lines) if i != 5], recs))[:16]:
+    for p, line, rec in list(zip(prompts, [ln for i, ln in enumerate(lines) if i != 5], recs))[::3]:
         want = jdeep.generate(model, [p], max_new_tokens=json.loads(line)["max_new_tokens"])
         assert rec["tokens"] == want.tokens[0, :want.lengths[0]].tolist()
     assert all(r["finish_reason"] in ("stop", "length") for r in recs)

@@ -55,20 +55,20 @@ def _inputs(model, B, S, max_len, step):
     return model.params, model.init_state(B, max_len), jnp.asarray(toks), jnp.asarray(pos), None, None
 
 
-def test_export_regions_four_buckets_reload_and_run(tmp_path):
-    """A one-layer model (CSA with compressor and indexer, hash-routed MoE: the richest kinds) keeps the 32
+def test_export_regions_buckets_reload_and_run(tmp_path):
+    """A one-layer model (CSA with compressor and indexer, hash-routed MoE: the richest kinds) keeps the 16
     modules (embed, attention, MoE, head per bucket and step) cheap to compile."""
     raw = dict(TINY_CONFIG, layer_types=["compressed_sparse_attention"], num_hidden_layers=1, num_hash_layers=1)
     path = tmp_path / "model"
     random_checkpoint(raw, str(path), seed=5)
     model = jdeep.load(path, compile_mode="regions")
     out = tmp_path / "export"
-    assert main(["export", "--model", str(path), "--out", str(out), "--mode", "regions", "--batch-sizes", "1,2,4,8",
+    assert main(["export", "--model", str(path), "--out", str(out), "--mode", "regions", "--batch-sizes", "1,4",
                  "--prefill-len", "16", "--max-len", "64", "--dtype", "float32"]) == 0
     manifest, exported = load_exported(str(out))
-    assert len(manifest["programs"]) == 32
+    assert len(manifest["programs"]) == 16
     assert {(p["bucket"]["batch"], p["bucket"]["step"]) for p in manifest["programs"]} == \
-        {(b, s) for b in (1, 2, 4, 8) for s in ("prefill", "decode")}
+        {(b, s) for b in (1, 4) for s in ("prefill", "decode")}
     assert manifest["model"]["compile_mode"] == "regions" and manifest["jax_version"] == jax.__version__
     for entry in manifest["programs"]:
         for kind in ("mlir", "mlirbc", "jax_exported"):
@@ -76,7 +76,7 @@ def test_export_regions_four_buckets_reload_and_run(tmp_path):
         if ".attn." in entry["name"]:               # the state argument is donated and aliased
             assert any(i["donated"] for i in entry["inputs"]) and entry["aliases"]
     step = jdeep.regions.regions_step(model.config, model.plan, model.numerics, False)
-    for B in (1, 2, 4, 8):
+    for B in (1, 4):
         for step_kind, S in (("prefill", 16), ("decode", 1)):
             args = _inputs(model, B, S, 64, step_kind)
             live, live_state = step(*args)

@@ -1,0 +1,126 @@
+"""Run in a subprocess with 8 CPU devices by tests/test_sharding.py (JAX fixes its device count at import):
+
+    python tests/mesh_worker.py OUT.json GOLDEN_DIR TMP_DIR [slow]
+
+Compares sharded models against the single-device run of the same checkpoint and writes what it measured
+as JSON; the test asserts on it. Nothing here decides pass or fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+import jdeep  # noqa: E402
+from jdeep import checkpoint  # noqa: E402
+from jdeep.random_weights import TINY_CONFIG, random_checkpoint  # noqa: E402
+
+PROMPTS = [[1, 5, 9, 33, 100, 7, 3, 250, 17], [4, 8, 15, 16, 23, 42]]
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")
+
+
+def compare(folder: str, meshes: list[str], forward_on: tuple[str, ...] = (), generate: bool = True,
+            n_new: int = 4) -> dict:
+    """Single device vs each mesh: greedy generate (ragged batch of 2: chunked prefill + decode, logits per
+    step) and, for the meshes in `forward_on`, a no-cache forward (every position's logits)."""
+    ref = jdeep.load(folder)
+    want = jdeep.generate(ref, PROMPTS, max_new_tokens=n_new, return_logits=True, prefill_chunk=8) if generate else None
+    want_fwd = jdeep.forward(ref, PROMPTS[0]) if forward_on else None
+    out = {}
+    for mesh in meshes:
+        model = jdeep.load(folder, mesh=mesh)
+        r = {"expert_leaf_spec": str(_expert_leaf(model).sharding.spec),
+             "n_experts_loaded": int(_expert_leaf(model).shape[1])}
+        if generate:
+            got = jdeep.generate(model, PROMPTS, max_new_tokens=n_new, return_logits=True, prefill_chunk=8)
+            r.update(logits_max_abs_diff=float(np.nanmax(np.abs(got.logits - want.logits))),
+                     tokens_equal=bool((got.tokens == want.tokens).all()), tokens=got.tokens.tolist())
+        if mesh in forward_on:
+            r["forward_max_abs_diff"] = float(np.abs(jdeep.forward(model, PROMPTS[0]) - want_fwd).max())
+        out[mesh] = r
+    return out
+
+
+def _expert_leaf(model):
+    w1 = model.params["segments"][0][0]["ffn"]["w1"]
+    return w1["scale"] if isinstance(w1, dict) else w1
+
+
+def lowered_collectives(folder: str, mesh: str) -> dict:
+    """Collective ops and dynamic dims in the lowered (StableHLO) decode and prefill steps."""
+    model = jdeep.load(folder, mesh=mesh)
+    step = model.step_fn(all_logits=False)
+    out = {}
+    for name, B, S in (("decode_b1", 1, 1), ("decode_b8", 8, 1), ("prefill_b2", 2, 16)):
+        state = model.init_state(B, 256)
+        zeros = model.put(np.zeros((B, S), np.int32))
+        text = step.lower(model.params, state, zeros, zeros, None).as_text()
+        out[name] = {op: len(re.findall(rf"stablehlo\.{op}\b", text)) for op in COLLECTIVES}
+        out[name]["dynamic_dims"] = len(re.findall(r"tensor<[^>]*\?", text))
+        out[name]["shard_map"] = len(re.findall(r"sdy\.manual_computation", text))
+    return out
+
+
+def bytes_read(folder: str, mesh: str) -> dict:
+    """Bytes each checkpoint tensor is read while loading sharded (positioned reads and memory-map copies)."""
+    reads: dict[str, int] = {}
+    orig_range, orig_view = checkpoint.SafetensorsFile.read_range, checkpoint.SafetensorsFile.view
+
+    def read_range(self, name, start, stop):
+        reads[name] = reads.get(name, 0) + (stop - start)
+        return orig_range(self, name, start, stop)
+
+    def view(self, name, random_access=False):
+        arr = orig_view(self, name, random_access)
+        return _CountingView(arr, name, reads)
+
+    checkpoint.SafetensorsFile.read_range, checkpoint.SafetensorsFile.view = read_range, view
+    try:
+        jdeep.load(folder, mesh=mesh)
+    finally:
+        checkpoint.SafetensorsFile.read_range, checkpoint.SafetensorsFile.view = orig_range, orig_view
+    reader = checkpoint.CheckpointReader(folder)
+    sizes = {n: reader.entry(n).end - reader.entry(n).start for n in reader.keys()}
+    return {"read": reads, "sizes": sizes}
+
+
+class _CountingView:
+    """A memory-mapped tensor whose sliced copies are counted."""
+
+    def __init__(self, arr, name, reads):
+        self.arr, self.name, self.reads = arr, name, reads
+
+    def __getitem__(self, sl):
+        part = self.arr[sl]
+        self.reads[self.name] = self.reads.get(self.name, 0) + part.nbytes
+        return part
+
+
+def main() -> None:
+    out_path, golden, tmp = sys.argv[1:4]
+    slow = len(sys.argv) > 4 and sys.argv[4] == "slow"
+    hf = os.path.join(golden, "v4-tiny-hf")
+    result = {
+        "v4-tiny-hf": compare(hf, ["expert=8", "tensor=2,expert=4", "data=2,expert=4"], forward_on=("tensor=2,expert=4",)),
+        "v4-tiny-q": compare(os.path.join(golden, "v4-tiny-q"), ["tensor=2,expert=4"]),
+        "lowered": lowered_collectives(hf, "data=2,expert=4"),
+        "reads": bytes_read(hf, "tensor=2,expert=4"),
+    }
+    # 6 routed experts over expert=4: padded to 8 with zero experts
+    odd = os.path.join(tmp, "six-experts")
+    random_checkpoint(dict(TINY_CONFIG, n_routed_experts=6), odd, seed=21)
+    result["padded"] = compare(odd, ["expert=4,data=2"], forward_on=("expert=4,data=2",), generate=False)
+    if slow:
+        result["v41-tiny-q"] = compare(os.path.join(golden, "v41-tiny-q"), ["tensor=2,expert=4"])
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
