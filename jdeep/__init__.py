@@ -47,7 +47,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     jax.sharding.Mesh with axes (data, tensor, expert) (jdeep/sharding.py). The product of the sizes must
     equal the number of devices (of all processes, after jax.distributed.initialize). Each process reads
     only the checkpoint slices its devices hold; routed experts are padded with zero experts to a multiple
-    of the expert axis. The model then runs in the scan compile mode with an expert-parallel MoE.
+    of the expert axis. Both compile modes run on the mesh, with an expert-parallel MoE.
     The folder's tokenizer.json, if any, becomes `model.tokenizer` (text prompts and stop strings).
     On Neuron, load also sets the compiler's environment (platform.configure_neuron).
     """
@@ -65,12 +65,10 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         raise FileNotFoundError(f"no checkpoint folder at {path}")
     jdtype = as_jax_dtype(dtype)
     plat = platforms.current()
-    if mesh is not None and compile_mode is None:
-        compile_mode = "scan"
     mode = platforms.compile_mode(compile_mode, plat)
-    if mesh is not None and (mode != "scan" or host_embedding or pack_params):
-        raise ValueError("mesh= runs the scan compile mode with the embedding on the mesh and plain parameter "
-                         "leaves: drop compile_mode='regions', host_embedding and pack_params")
+    if mesh is not None and (host_embedding or pack_params):
+        raise ValueError("mesh= keeps the embedding on the mesh and plain parameter leaves: drop host_embedding and "
+                         "pack_params")
     if plat.is_neuron:
         platforms.configure_neuron(generation=plat.generation)
     if fp8_max is None:

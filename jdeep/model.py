@@ -268,10 +268,9 @@ class Model:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if self.compile_mode == "regions" and is_packed(self.params):
             raise ValueError("packed parameters (pack_params) run only in the scan compile mode")
-        if self.layout is not None and (self.compile_mode != "scan" or self.host_embed is not None
-                                        or self.sampler_device is not None):
-            raise ValueError("a model on a device mesh runs in the scan compile mode, with the embedding and the "
-                             "sampler on the mesh (regions mode, host embedding and a host sampler are single-device)")
+        if self.layout is not None and (self.host_embed is not None or self.sampler_device is not None):
+            raise ValueError("a model on a device mesh keeps the embedding and the sampler on the mesh (host "
+                             "embedding and a host sampler are single-device)")
 
     @property
     def host_loop(self) -> bool:
@@ -307,7 +306,7 @@ class Model:
         if self.compile_mode == "regions":
             from .regions import regions_step
 
-            fn = regions_step(self.config, self.plan, self.numerics, all_logits, rows)
+            fn = regions_step(self.config, self.plan, self.numerics, all_logits, rows, self.layout)
         elif rows is None:
             fn = compiled_step(self.config, self.plan, self.numerics, all_logits, self.layout)
         else:

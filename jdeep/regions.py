@@ -111,23 +111,28 @@ def _head(p, X, positions, pre=None, *, config: ModelConfig, all_logits: bool):
     return head_matmul(rms_norm(h, p["norm"], config.norm_eps), p["head"])
 
 
-def _v4_attn(st, p, layer, X, tokens, positions, *, config, numerics, kind, freqs):
+def _v4_attn(st, p, layer, X, tokens, positions, *, config, numerics, kind, freqs, layout=None):
     layer = _clamp(layer, _reps(st))
     chunk = make_chunk(tokens, positions, config.vocab_size)
     X, st = attention_half(_layer_view(p, layer), st, layer, X, chunk, config=config, numerics=numerics, kind=kind,
                            freqs=freqs)
-    return X, st
+    return X, _constrain_state(st, layout)
 
 
-def _v4_ffn(p, experts, layer, X, tokens, positions, *, config, numerics, hash_moe):
+def _constrain_state(state, layout):
+    """On a mesh the updated state keeps its input layout (so the donated buffers are reused in place)."""
+    return state if layout is None else layout.constrain_state(state)
+
+
+def _v4_ffn(p, experts, layer, X, tokens, positions, *, config, numerics, hash_moe, layout=None):
     layer = _clamp(layer, _reps(experts))
     chunk = make_chunk(tokens, positions, config.vocab_size)
     return ffn_half(_layer_view(p, layer), experts, layer, X, chunk, config=config, numerics=numerics,
-                    hash_moe=hash_moe)
+                    hash_moe=hash_moe, layout=layout)
 
 
 def _v41_attn(state, p, layer, row, X, pre, published, engram, engram_index, tokens, positions, *, config, numerics,
-              kind, freqs):
+              kind, freqs, layout=None):
     window, sources = state
     layer = _clamp(layer, window.shape[0])
     if kind.attn.ratio:
@@ -140,41 +145,52 @@ def _v41_attn(state, p, layer, row, X, pre, published, engram, engram_index, tok
     X, pre_a, window, sources, published = v41_attention_half(
         _layer_view(p, layer), window, layer, sources, row, X, pre, published, rows, chunk, config=config,
         numerics=numerics, kind=kind, freqs=freqs)
-    return (X, pre_a, published), (window, sources)
+    return (X, pre_a, published), _constrain_state((window, sources), layout)
 
 
-def _v41_ffn(p, experts, layer, X, pre_a, tokens, positions, *, config, numerics):
+def _v41_ffn(p, experts, layer, X, pre_a, tokens, positions, *, config, numerics, layout=None):
     layer = _clamp(layer, _reps(experts))
     chunk = make_chunk(tokens, positions, config.vocab_size)
-    return v41_ffn_half(_layer_view(p, layer), experts, layer, X, pre_a, chunk, config=config, numerics=numerics)
+    return v41_ffn_half(_layer_view(p, layer), experts, layer, X, pre_a, chunk, config=config, numerics=numerics,
+                        layout=layout)
 
 
 _PROGRAMS: dict[tuple, Callable] = {}
 
 
 def _program(name: str, config: ModelConfig, numerics: Numerics, rows: int | None, kind: LayerKind | None = None,
-             hash_moe: bool = False, all_logits: bool = False) -> Callable:
-    """One jitted region program, shared by every model and step with the same architecture and bucket."""
-    key = (name, config, numerics, rows, kind, hash_moe, all_logits)
+             hash_moe: bool = False, all_logits: bool = False, layout=None) -> Callable:
+    """One jitted region program, shared by every model and step with the same architecture, bucket and layout."""
+    key = (name, config, numerics, rows, kind, hash_moe, all_logits, layout)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = _make_program(name, config, numerics, rows, kind, hash_moe, all_logits)
+        _PROGRAMS[key] = _make_program(name, config, numerics, rows, kind, hash_moe, all_logits, layout)
     return _PROGRAMS[key]
 
 
-def _make_program(name, config, numerics, rows, kind, hash_moe, all_logits) -> Callable:
+def _make_program(name, config, numerics, rows, kind, hash_moe, all_logits, layout) -> Callable:
     if name == "embed":
         return jax.jit(functools.partial(_embed, config=config))
     if name == "head":
-        return jax.jit(functools.partial(_head, config=config, all_logits=all_logits))
+        head = functools.partial(_head, config=config, all_logits=all_logits)
+        if layout is not None:      # logits replicated, as in the scan mode
+            return jax.jit(lambda *a: layout.constrain_replicated(head(*a)))
+        return jax.jit(head)
     if name == "attn":      # state first (donated), returned as (out, state)
         freqs = inv_freq(config.rope_for(kind.attn), config.rope_head_dim)
         body = _v41_attn if config.is_v41 else _v4_attn
-        return jax.jit(_rows(rows, functools.partial(body, config=config, numerics=numerics, kind=kind, freqs=freqs)),
-                       donate_argnums=(0,))
+        fn = _rows(rows, functools.partial(body, config=config, numerics=numerics, kind=kind, freqs=freqs,
+                                           layout=layout))
+        if layout is not None and rows is not None:      # the whole state written back keeps its layout too
+            inner = fn
+
+            def fn(state, *rest):
+                out, state = inner(state, *rest)
+                return out, _constrain_state(state, layout)
+        return jax.jit(fn, donate_argnums=(0,))
     if name == "ffn":
         if config.is_v41:
-            return jax.jit(functools.partial(_v41_ffn, config=config, numerics=numerics))
-        return jax.jit(functools.partial(_v4_ffn, config=config, numerics=numerics, hash_moe=hash_moe))
+            return jax.jit(functools.partial(_v41_ffn, config=config, numerics=numerics, layout=layout))
+        return jax.jit(functools.partial(_v4_ffn, config=config, numerics=numerics, hash_moe=hash_moe, layout=layout))
     raise ValueError(f"unknown region program {name!r}")
 
 
@@ -192,17 +208,19 @@ class RegionsStep:
     """
 
     def __init__(self, config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool,
-                 rows: int | None = None):
+                 rows: int | None = None, layout=None):
         self.config, self.plan, self.numerics, self.all_logits, self.rows = config, plan, numerics, all_logits, rows
+        self.layout = layout
         self._index = {}
 
     def _scalar(self, i: int) -> jax.Array:
         if i not in self._index:
-            self._index[i] = jax.device_put(np.int32(i))
+            self._index[i] = jax.device_put(np.int32(i)) if self.layout is None else self.layout.put(np.int32(i))
         return self._index[i]
 
     def _fn(self, name: str, **kw) -> Callable:
-        return _program(name, self.config, self.numerics, self.rows if name == "attn" else None, **kw)
+        return _program(name, self.config, self.numerics, self.rows if name == "attn" else None, layout=self.layout,
+                        **kw)
 
     def __call__(self, params, state, tokens, positions, engram=None, embeds=None):
         return self._run(params, state, tokens, positions, engram, embeds, lambda name, fn, *a: fn(*a))
@@ -272,7 +290,7 @@ class RegionsStep:
 
 @functools.lru_cache(maxsize=None)
 def regions_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool,
-                 rows: int | None = None) -> RegionsStep:
-    return RegionsStep(config, plan, numerics, all_logits, rows)
+                 rows: int | None = None, layout=None) -> RegionsStep:
+    return RegionsStep(config, plan, numerics, all_logits, rows, layout)
 
 

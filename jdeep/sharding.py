@@ -218,8 +218,12 @@ class Layout:
         """A host value (numpy, or a jax array) as a global array (default replicated over the mesh). Works
         across processes: every process must pass the same value."""
         sharding = sharding or self.replicated
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:      # already global: reshard on the mesh
-            return x if x.sharding == sharding else jax.device_put(x, sharding)
+        if isinstance(x, jax.Array):
+            if x.sharding == sharding:
+                return x
+            # a global array, or any device array in a single-process run: reshard on the devices
+            if not x.is_fully_addressable or jax.process_count() == 1:
+                return jax.device_put(x, sharding)
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 

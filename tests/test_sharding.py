@@ -87,8 +87,6 @@ def test_rules_fall_back_to_replicated_when_an_axis_does_not_divide():
 
 def test_load_rejects_mesh_with_single_device_features():
     path = golden_path("v4-tiny-hf")
-    with pytest.raises(ValueError, match="scan compile mode"):
-        jdeep.load(path, mesh="expert=1", compile_mode="regions")
     with pytest.raises(ValueError, match="host_embedding"):
         jdeep.load(path, mesh="expert=1", host_embedding=True)
     model = jdeep.load(path, mesh="expert=1")                  # a 1-device mesh: the sharded path on one device
@@ -118,15 +116,16 @@ def test_sharded_logits_equal_single_device(mesh_runs, mesh):
     print(mesh, r)
     assert r["logits_max_abs_diff"] < TOL and r["tokens_equal"]
     assert r["expert_leaf_spec"] == "P(None, 'expert')" and r["n_experts_loaded"] == 8
-    if "forward_max_abs_diff" in r:
-        assert r["forward_max_abs_diff"] < TOL
+    if "forward_max_abs_diff" in r:       # no-cache forward, in both compile modes
+        assert r["forward_max_abs_diff"] < TOL and r["regions_forward_max_abs_diff"] < TOL
 
 
 def test_sharded_quantized_golden(mesh_runs):
-    """v4-tiny-q (fp8 dense, fp4 experts, DeepSeek's numerics) over tensor=2 x expert=4."""
+    """v4-tiny-q (fp8 dense, fp4 experts, DeepSeek's numerics) over tensor=2 x expert=4: every position's
+    logits of a no-cache forward, in both compile modes (the decode-size MoE path is the float model's)."""
     r = mesh_runs["v4-tiny-q"]["tensor=2,expert=4"]
     print(r)
-    assert r["logits_max_abs_diff"] < TOL and r["tokens_equal"]
+    assert r["forward_max_abs_diff"] < TOL and r["regions_forward_max_abs_diff"] < TOL
 
 
 def test_experts_padded_to_the_expert_axis(mesh_runs):

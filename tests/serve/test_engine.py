@@ -57,7 +57,7 @@ def test_64_requests_in_8_slots_equal_their_solo_runs(model):
         alone = _run(model, [(prompt, p)], solo)[0]
         assert alone.tokens == o.tokens
         assert set(solo.steps_per_bucket) == {1}        # a lone request steps a 1-row bucket of the 8-slot pool
-    for (prompt, p), o in list(zip(reqs, together))[:8]:        # and the notebook API agrees
+    for (prompt, p), o in list(zip(reqs, together))[2:4]:       # and the notebook API agrees (greedy, sampled)
         g = jdeep.generate(model, [prompt], sampling=p)
         assert g.tokens[0, :g.lengths[0]].tolist() == o.tokens
 

@@ -40,10 +40,10 @@ def test_per_request_lengths_and_alone_equals_batch(model):
     batch = jdeep.generate(model, PROMPTS, sampling=ps, ignore_eos=True, return_logits=True)
     assert batch.tokens.shape == (3, 10) and list(batch.lengths) == [3, 10, 7]
     assert (batch.tokens[0, 3:] == -1).all() and np.isnan(batch.logits[0, 3:]).all()
-    for b, (prompt, p) in enumerate(zip(PROMPTS, ps)):
-        alone = jdeep.generate(model, [prompt], sampling=p, ignore_eos=True)
+    for b, (prompt, p) in enumerate(zip(PROMPTS, ps)):       # blocks of 2 steps: one decode program for all three
+        alone = jdeep.generate(model, [prompt], sampling=p, ignore_eos=True, stream_every=2)
         np.testing.assert_array_equal(alone.tokens[0, :p.max_new_tokens], batch.tokens[b, :p.max_new_tokens])
-    again = jdeep.generate(model, PROMPTS, sampling=ps, ignore_eos=True)
+    again = jdeep.generate(model, PROMPTS, sampling=ps, ignore_eos=True, return_logits=True)
     np.testing.assert_array_equal(again.tokens, batch.tokens)
 
 
