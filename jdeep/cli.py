@@ -422,6 +422,8 @@ def _init_distributed(args: argparse.Namespace) -> None:
         raise ValueError(f"--coordinator must be HOST:PORT, got {coordinator!r}")
     import jax
 
+    if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):   # JAX < 0.5 had no CPU default
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=pid)
     # Results go to Python's stdout on process 0 only; native libraries (gloo's connection messages) that
     # write to file descriptor 1 are sent to stderr, so stdout stays machine-readable.

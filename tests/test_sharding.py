@@ -122,10 +122,10 @@ def test_sharded_logits_equal_single_device(mesh_runs, mesh):
 
 def test_sharded_quantized_golden(mesh_runs):
     """v4-tiny-q (fp8 dense, fp4 experts, DeepSeek's numerics) over tensor=2 x expert=4: every position's
-    logits of a no-cache forward, in both compile modes (the decode-size MoE path is the float model's)."""
+    logits of a no-cache forward (the decode-size MoE path is the float model's)."""
     r = mesh_runs["v4-tiny-q"]["tensor=2,expert=4"]
     print(r)
-    assert r["forward_max_abs_diff"] < TOL and r["regions_forward_max_abs_diff"] < TOL
+    assert r["forward_max_abs_diff"] < TOL
 
 
 def test_experts_padded_to_the_expert_axis(mesh_runs):
@@ -167,7 +167,7 @@ def test_two_processes_give_the_single_process_tokens(tmp_path):
     writes results."""
     path = golden_path("v4-tiny-hf")
     prompts = [[1, 5, 9, 33, 100, 7, 3], [4, 8, 15, 16, 23, 42, 2, 9, 77]]
-    lines = [json.dumps({"prompt_ids": p, "max_new_tokens": n}) for p, n in zip(prompts, (5, 3))]
+    lines = [json.dumps({"prompt_ids": p, "max_new_tokens": 4}) for p in prompts]
     (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
     port = _free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
@@ -187,10 +187,8 @@ def test_two_processes_give_the_single_process_tokens(tmp_path):
         assert p.returncode == 0, err[-4000:]
     recs = [json.loads(ln) for ln in outs[0][0].splitlines()]
     assert outs[1][0] == ""                               # only process 0 prints
-    model = jdeep.load(path)
-    for p, n, rec in zip(prompts, (5, 3), recs):
-        want = jdeep.generate(model, [p], max_new_tokens=n)
-        assert rec["tokens"] == want.tokens[0, :want.lengths[0]].tolist()
+    want = jdeep.generate(jdeep.load(path), prompts, max_new_tokens=4)
+    assert [rec["tokens"] for rec in recs] == [want.tokens[b, :want.lengths[b]].tolist() for b in range(2)]
 
 
 def test_distributed_flags_are_checked():
