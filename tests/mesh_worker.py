@@ -51,6 +51,19 @@ def compare(folder: str, meshes: list[str], forward_on: tuple[str, ...] = (), ge
     return out
 
 
+def _local_ops(folder: str, mesh: str) -> dict:
+    """The routed-expert kernel each expert shard runs, for this run's prefill and decode token counts."""
+    from jdeep.config import ModelConfig
+    from jdeep.layers.moe import _local_routed_op
+    from jdeep.sharding import parse_mesh
+
+    cfg = ModelConfig.from_file(os.path.join(folder, "config.json"))
+    sizes = parse_mesh(mesh)
+    n_local = checkpoint.padded_experts(cfg.n_routed_experts, sizes["expert"]) // sizes["expert"]
+    per_shard = len(PROMPTS) // sizes["data"]
+    return {"prefill": _local_routed_op(cfg, per_shard * 16, n_local), "decode": _local_routed_op(cfg, per_shard, n_local)}
+
+
 def _expert_leaf(model):
     w1 = model.params["segments"][0][0]["ffn"]["w1"]
     return w1["scale"] if isinstance(w1, dict) else w1
@@ -118,10 +131,13 @@ def main() -> None:
         "lowered": lowered_collectives(hf, "data=2,expert=4"),
         "reads": bytes_read(hf, "tensor=2,expert=4"),
     }
-    # 6 routed experts over expert=4: padded to 8 with zero experts
-    odd = os.path.join(tmp, "six-experts")
-    random_checkpoint(dict(TINY_CONFIG, n_routed_experts=6), odd, seed=21)
-    result["padded"] = compare(odd, ["expert=4,data=2"], forward_on=("expert=4,data=2",), generate=False)
+    # 10 routed experts over expert=4: padded to 12 with zero experts; 3 per shard (more than the 2 a token
+    # picks) runs the per-pair kernels on each shard (grouped for the prefill, gather for the decode)
+    odd = os.path.join(tmp, "ten-experts")
+    random_checkpoint(dict(TINY_CONFIG, n_routed_experts=10), odd, seed=21)
+    result["padded"] = compare(odd, ["expert=4,data=2"])
+    result["local_ops"] = {name: _local_ops(path, mesh) for name, path, mesh in (
+        ("v4-tiny-hf", hf, "data=2,expert=4"), ("padded", odd, "expert=4,data=2"))}
     if slow:
         result["v41-tiny-q"] = compare(os.path.join(golden, "v41-tiny-q"), ["tensor=2,expert=4"])
     with open(out_path, "w") as f:

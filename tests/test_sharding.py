@@ -129,9 +129,13 @@ def test_sharded_quantized_golden(mesh_runs):
 
 
 def test_experts_padded_to_the_expert_axis(mesh_runs):
-    """6 routed experts over expert=4: loaded as 8 (two zero experts, never routed to), same logits."""
+    """10 routed experts over expert=4: loaded as 12 (two zero experts, never routed to), same logits and
+    tokens. With 3 experts per shard the shards run the per-pair kernels (grouped prefill, gather decode);
+    the golden's 2 per shard run the dense one: both kernel choices are covered."""
     r = mesh_runs["padded"]["expert=4,data=2"]
-    assert r["n_experts_loaded"] == 8 and r["forward_max_abs_diff"] < TOL
+    assert r["n_experts_loaded"] == 12 and r["logits_max_abs_diff"] < TOL and r["tokens_equal"]
+    assert mesh_runs["local_ops"]["padded"] == {"prefill": "moe_experts_grouped", "decode": "moe_experts_gather"}
+    assert mesh_runs["local_ops"]["v4-tiny-hf"] == {"prefill": "moe_experts_dense", "decode": "moe_experts_dense"}
 
 
 def test_lowered_expert_parallel_program(mesh_runs):

@@ -159,6 +159,37 @@ def moe_experts_grouped(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2,
     return jnp.sum(y.reshape(T, k, -1), axis=1)
 
 
+@register("moe_experts_dense")
+def moe_experts_dense(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w3, layer: jax.Array,
+                      limit: float, numerics=None) -> jax.Array:
+    """Routed experts applied densely: every expert of the stack to every token, weighted by the token's routing
+    weight for it (0 when not routed there). Same contract as `moe_experts_gather`.
+
+    A scan over the E experts of the stack ([R, E, ...] at `layer`): expert e's matrices are sliced once and
+    applied to all T tokens as one GEMM. It reads each expert once per call, against T*k expert slices for the
+    per-pair kernel, so it is the cheaper choice when E <= T*k (the expert-parallel decode, where each shard
+    holds E/ep experts). Per token the ops equal the per-pair kernel's; only the fp32 order of the sum over a
+    token's experts differs. Returns fp32 [T, d].
+    """
+    E = (w1["scale"] if isinstance(w1, dict) else w1).shape[1]
+    q = isinstance(w1, dict)
+    xa = _act(x, numerics, q)
+
+    def one_expert(acc, e):
+        def pick(a):
+            return _expert(a, layer, e)
+
+        W1, W3, W2 = (_weights(w, pick, numerics, x.dtype) for w in (w1, w3, w2))   # [I, d], [I, d], [d, I]
+        w_e = jnp.sum(jnp.where(idx == e, weight, 0.0), axis=-1)                  # [T] fp32
+        h1 = jnp.einsum("td,id->ti", xa, W1, precision=HIGHEST, preferred_element_type=jnp.float32)
+        h3 = jnp.einsum("td,id->ti", xa, W3, precision=HIGHEST, preferred_element_type=jnp.float32)
+        a = _act((_swiglu(h1, h3, limit) * w_e[:, None]).astype(x.dtype), numerics, q)
+        return acc + jnp.einsum("ti,di->td", a, W2, precision=HIGHEST, preferred_element_type=jnp.float32), None
+
+    y, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, jnp.float32), jnp.arange(E))
+    return y
+
+
 @register("shared_expert")
 def shared_expert(x: jax.Array, w1, w2, w3, limit: float, numerics=None) -> jax.Array:
     """The always-on SwiGLU expert: x [..., d] -> fp32 [..., d] (float or quantized weights)."""

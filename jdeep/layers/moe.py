@@ -67,15 +67,33 @@ def _routed_op(config: ModelConfig, n_tokens: int) -> str:
         else "moe_experts_grouped"
 
 
+def _expert_count(experts: dict) -> int:
+    w1 = experts["w1"]
+    return (w1["scale"] if isinstance(w1, dict) else w1).shape[1]
+
+
+def _local_routed_op(config: ModelConfig, n_tokens: int, n_local: int) -> str:
+    """The routed-expert kernel for one expert shard holding n_local experts. Every shard does the worst case
+    (all T*k pairs could be its own), so when its experts are few it applies each of them to every token
+    (reading each expert once) instead of slicing one expert per pair: at decode sizes when
+    n_local <= T*k, at prefill sizes when n_local <= k (fewer rows than the grouped kernel's T*k)."""
+    k = config.n_activated_experts
+    pairs = _routed_op(config, n_tokens)
+    if n_local <= (n_tokens * k if pairs == "moe_experts_gather" else k):
+        return "moe_experts_dense"
+    return pairs
+
+
 def moe_expert_parallel(p: dict, experts: dict, layer: jax.Array, x: jax.Array, tokens: jax.Array, *,
                         config: ModelConfig, numerics: Numerics, hash_moe: bool, layout) -> jax.Array:
     """The MoE with routed experts split over the mesh's `expert` axis (and their intermediate dim over
     `tensor` when layout.expert_inter), inside `shard_map`, with fixed shapes.
 
     Every expert shard sees all tokens of its data shard (x is replicated over `expert`), routes them
-    (the gate is replicated), and runs the same routed-expert kernel as one device on its local experts:
-    the (token, expert) pairs whose expert lives elsewhere keep their slot with routing weight 0, so the
-    work per shard is the worst case (every pair local) and no shape depends on the routing. The partial
+    (the gate is replicated), and runs a routed-expert kernel on its local experts: the (token, expert)
+    pairs whose expert lives elsewhere keep their slot with routing weight 0, so no shape depends on the
+    routing. The kernel is the per-pair one of a single device, or, when the shard's experts are few, the
+    dense one (each local expert applied to every token, `_local_routed_op`). The partial
     sums (fp32) are then reduced over the shards:
       - when the token count divides by the expert axis: reduce-scatter over `expert` (each shard gets the
         sums of T/ep tokens), the shared expert runs on that slice only, and an all-gather returns the
@@ -96,13 +114,13 @@ def moe_expert_parallel(p: dict, experts: dict, layer: jax.Array, x: jax.Array, 
     inter_axes = ("tensor",) if layout.expert_inter else ()
     exp_specs = jax.tree_util.tree_map_with_path(
         lambda kp, a: layout.expert_spec(tuple(k.key for k in kp), a.shape), experts)
-    op = kernels.get(_routed_op(config, T))
+    n_local = _expert_count(experts) // ep
+    op = kernels.get(_local_routed_op(config, T, n_local))
     shared_op = kernels.get("shared_expert")
 
     def local(x, tokens, gate, shared, experts, layer):
         xt = x.reshape(-1, d)
         idx, w = route(xt, tokens.reshape(-1), gate, config=config, hash_moe=hash_moe)
-        n_local = (experts["w1"]["scale"] if isinstance(experts["w1"], dict) else experts["w1"]).shape[1]
         local_idx = idx - jax.lax.axis_index("expert") * n_local
         mine = (local_idx >= 0) & (local_idx < n_local)
         routed = op(xt, jnp.clip(local_idx, 0, n_local - 1), jnp.where(mine, w, 0.0), experts["w1"], experts["w2"],

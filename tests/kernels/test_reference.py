@@ -14,7 +14,8 @@ import pytest
 
 from jdeep import kernels
 from jdeep.config import preset
-from jdeep.kernels.reference import moe_experts_gather, moe_experts_grouped, shared_expert, sparse_attention
+from jdeep.kernels.reference import (moe_experts_dense, moe_experts_gather, moe_experts_grouped, shared_expert,
+                                     sparse_attention)
 from jdeep.layers.chunk import make_chunk
 from jdeep.layers.indexer import index_select
 from jdeep.layers.moe import route
@@ -29,7 +30,7 @@ def close(actual, expected, rtol=1e-5, atol=1e-5):
 
 def test_registry_exposes_reference_ops():
     reg = kernels.registered()
-    for name in ("sparse_attention", "moe_experts_gather", "moe_experts_grouped", "shared_expert"):
+    for name in ("sparse_attention", "moe_experts_gather", "moe_experts_grouped", "moe_experts_dense", "shared_expert"):
         assert "reference" in reg[name]
     if jax.default_backend() == "cpu":
         assert kernels.get("sparse_attention") is sparse_attention
@@ -173,9 +174,11 @@ def test_routed_experts_match_oracle(T):
     args = tuple(jnp.asarray(a) for a in (x, idx, weight, w1, w2, w3)) + (jnp.asarray(layer, jnp.int32), limit)
     ga = moe_experts_gather(*args)
     gr = moe_experts_grouped(*args)
-    assert ga.shape == gr.shape == (T, d) and ga.dtype == gr.dtype == jnp.float32
+    de = moe_experts_dense(*args)
+    assert ga.shape == gr.shape == de.shape == (T, d) and ga.dtype == gr.dtype == de.dtype == jnp.float32
     close(ga, expect, rtol=2e-5, atol=2e-5)
     close(gr, expect, rtol=2e-5, atol=2e-5)
+    close(de, expect, rtol=2e-5, atol=2e-5)
     close(ga, gr, rtol=1e-5, atol=1e-5)
     # the other stacked layer gives a different answer (layer really selects the weights)
     other = moe_experts_gather(*args[:-2], jnp.asarray(0, jnp.int32), limit)
@@ -221,7 +224,7 @@ def test_routing_weight_applied_before_w2_and_act_rounding():
     args = (x, jnp.asarray(idx), jnp.asarray(weight), jnp.asarray(w1), jnp.asarray(w2),
             jnp.asarray(w3), jnp.asarray(0, jnp.int32), limit)
     assert np.max(np.abs(before - after)) > 1e-3
-    for fn in (moe_experts_gather, moe_experts_grouped):
+    for fn in (moe_experts_gather, moe_experts_grouped, moe_experts_dense):
         y = np.asarray(fn(*args), np.float64)
         err_before, err_after = np.max(np.abs(y - before)), np.max(np.abs(y - after))
         assert err_before < 1e-4 < err_after, (fn.__name__, err_before, err_after)
