@@ -49,6 +49,13 @@ def deep_tiny_config(n_repeats: int) -> dict[str, Any]:
     return raw
 
 
+def one_layer_config(**overrides: Any) -> dict[str, Any]:
+    """TINY_CONFIG cut to one layer of compressed sparse attention (compressor and indexer) with a top-k MoE:
+    the cheapest model to compile that still runs the richest attention kind (tests)."""
+    return dict(TINY_CONFIG, layer_types=["compressed_sparse_attention"], num_hidden_layers=1, num_hash_layers=0,
+                **overrides)
+
+
 def tiny_v41_config(engram_vocab_size: int = 400, quantized: bool = True) -> dict[str, Any]:
     """A small DeepSeek-V4.1 HF config with every V4.1 layer kind: sliding, ratio-2 and ratio-1 KV sources,
     layers reusing a top-k, index sources, the candidate source and a restricted index source, two Engram

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 
 import jdeep  # noqa: E402
 from jdeep import checkpoint  # noqa: E402
-from jdeep.random_weights import TINY_CONFIG, random_checkpoint  # noqa: E402
+from jdeep.random_weights import one_layer_config, random_checkpoint  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 33, 100, 7, 3, 250, 17], [4, 8, 15, 16, 23, 42]]
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")
@@ -124,18 +124,18 @@ def main() -> None:
     slow = len(sys.argv) > 4 and sys.argv[4] == "slow"
     hf = os.path.join(golden, "v4-tiny-hf")
     result = {
-        "v4-tiny-hf": compare(hf, ["expert=8", "tensor=2,expert=4", "data=2,expert=4"], forward_on=("tensor=2,expert=4",),
-                              regions=True),
+        "v4-tiny-hf": compare(hf, ["expert=8", "tensor=2,expert=4", "data=2,expert=4"], forward_on=("tensor=2,expert=4",)),
         "v4-tiny-q": compare(os.path.join(golden, "v4-tiny-q"), ["tensor=2,expert=4"], generate=False,
                              forward_on=("tensor=2,expert=4",)),
         "lowered": lowered_collectives(hf, "data=2,expert=4"),
         "reads": bytes_read(hf, "tensor=2,expert=4"),
     }
-    # 10 routed experts over expert=4: padded to 12 with zero experts; 3 per shard (more than the 2 a token
-    # picks) runs the per-pair kernels on each shard (grouped for the prefill, gather for the decode)
+    # a one-layer model (CSA with indexer, top-k MoE: cheap to compile) with 10 routed experts over expert=4:
+    # padded to 12 with zero experts; 3 per shard (more than the 2 a token picks) runs the per-pair kernels on
+    # each shard (grouped for the prefill, gather for the decode); also its forward in the regions mode
     odd = os.path.join(tmp, "ten-experts")
-    random_checkpoint(dict(TINY_CONFIG, n_routed_experts=10), odd, seed=21)
-    result["padded"] = compare(odd, ["expert=4,data=2"])
+    random_checkpoint(one_layer_config(n_routed_experts=10), odd, seed=21)
+    result["padded"] = compare(odd, ["expert=4,data=2"], forward_on=("expert=4,data=2",), regions=True)
     result["local_ops"] = {name: _local_ops(path, mesh) for name, path, mesh in (
         ("v4-tiny-hf", hf, "data=2,expert=4"), ("padded", odd, "expert=4,data=2"))}
     if slow:

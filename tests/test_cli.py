@@ -8,7 +8,7 @@ import numpy as np
 
 import jdeep
 from jdeep.cli import main
-from jdeep.random_weights import TINY_CONFIG, random_checkpoint
+from jdeep.random_weights import TINY_CONFIG, one_layer_config, random_checkpoint
 
 
 def test_generate_prints_the_same_tokens_as_the_api(tmp_path, capsys):
@@ -76,7 +76,7 @@ def test_golden_generate_prints_the_api_tokens(capsys):
 
 
 def test_prompts_file_through_the_engine(tmp_path, capsys):
-    random_checkpoint(TINY_CONFIG, str(tmp_path / "m"), seed=12)
+    random_checkpoint(one_layer_config(), str(tmp_path / "m"), seed=12)
     rng = np.random.default_rng(1)
     prompts = [[0] + rng.integers(2, 512, size=int(rng.integers(2, 30))).tolist() for _ in range(24)]
     lines = [json.dumps({"prompt_ids": p, "max_new_tokens": int(rng.integers(1, 8))}) for p in prompts]
