@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from .checkpoint import CheckpointError
@@ -82,37 +83,19 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         from .sharding import Layout, make_mesh
 
         layout = Layout.for_model(make_mesh(mesh), config.moe_inter_dim)
+    if checkpoint.is_converted(path) and config.engram is not None:
+        raise ValueError(f"{path}: converted (Orbax) folders of models with Engram layers are not supported yet; "
+                         "load the original checkpoint folder")
     if layout is not None:
         params = _load_sharded(path, config, plan, jdtype, numerics, layout, progress)
     elif checkpoint.is_converted(path):
-        if config.engram is not None:
-            raise ValueError(f"{path}: converted (Orbax) folders of models with Engram layers are not supported yet; "
-                             "load the original checkpoint folder")
         params = jax.device_put(checkpoint.restore_converted(path, config, plan, jdtype), device)
     else:
-        rescale = None
-        if numerics.trn2_weights:
-            def rescale(codes, scale, block):
-                return trn2_rescale(codes, scale, block, numerics.fp8_max)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(desc=f"loading {os.path.basename(os.path.normpath(path))}", unit="tensor", leave=False)
-
-        def report(done: int, total: int) -> None:
-            if bar is not None:
-                bar.total = total
-                bar.update(done - bar.n)
-
-        try:
+        with _progress(path, progress) as report:
             params = checkpoint.load_params(path, config, plan, np.dtype(jdtype), progress=report,
                                             place=lambda a: jax.device_put(a, device),
                                             place_into=lambda shape, dt: jax.device_put(jnp.zeros(shape, dt), device),
-                                            fp8_rescale=rescale)
-        finally:
-            if bar is not None:
-                bar.close()
+                                            fp8_rescale=_rescaler(numerics))
     engram = None
     if config.engram is not None:
         from .engram import EngramHost
@@ -169,16 +152,30 @@ def _load_sharded(path: str, config, plan, jdtype, numerics, layout, progress: b
         target = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, layout.param_shardings(target))
         return checkpoint.restore_converted(path, config, plan, jdtype, target=target)
-    rescale = None
-    if numerics.trn2_weights:
-        def rescale(codes, scale, block):
-            return trn2_rescale(codes, scale, block, numerics.fp8_max)
+    with _progress(path, progress and jax.process_index() == 0, f" ({layout.describe()})") as report:
+        return checkpoint.load_params_sharded(path, config, plan, np.dtype(jdtype), sharding_for, n_experts,
+                                              progress=report, fp8_rescale=_rescaler(numerics))
+
+
+def _rescaler(numerics):
+    """The fp8 weight rewrite into trn2's e4m3 range when the numerics ask for it (else None)."""
+    if not numerics.trn2_weights:
+        return None
+
+    def rescale(codes, scale, block):
+        return trn2_rescale(codes, scale, block, numerics.fp8_max)
+
+    return rescale
+
+
+@contextlib.contextmanager
+def _progress(path: str, show: bool, what: str = ""):
+    """A `report(done, total)` callback driving a tqdm bar over the checkpoint's tensors (on stderr) when `show`."""
     bar = None
-    if progress and jax.process_index() == 0:
+    if show:
         from tqdm import tqdm
 
-        bar = tqdm(desc=f"loading {os.path.basename(os.path.normpath(path))} ({layout.describe()})", unit="tensor",
-                   leave=False)
+        bar = tqdm(desc=f"loading {os.path.basename(os.path.normpath(path))}{what}", unit="tensor", leave=False)
 
     def report(done: int, total: int) -> None:
         if bar is not None:
@@ -186,8 +183,7 @@ def _load_sharded(path: str, config, plan, jdtype, numerics, layout, progress: b
             bar.update(done - bar.n)
 
     try:
-        return checkpoint.load_params_sharded(path, config, plan, np.dtype(jdtype), sharding_for, n_experts,
-                                              progress=report, fp8_rescale=rescale)
+        yield report
     finally:
         if bar is not None:
             bar.close()

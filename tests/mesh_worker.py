@@ -124,7 +124,7 @@ def main() -> None:
     slow = len(sys.argv) > 4 and sys.argv[4] == "slow"
     hf = os.path.join(golden, "v4-tiny-hf")
     result = {
-        "v4-tiny-hf": compare(hf, ["expert=8", "tensor=2,expert=4", "data=2,expert=4"], forward_on=("tensor=2,expert=4",)),
+        "v4-tiny-hf": compare(hf, ["expert=8", "tensor=2,expert=4", "data=2,expert=4"]),
         "v4-tiny-q": compare(os.path.join(golden, "v4-tiny-q"), ["tensor=2,expert=4"], generate=False,
                              forward_on=("tensor=2,expert=4",)),
         "lowered": lowered_collectives(hf, "data=2,expert=4"),

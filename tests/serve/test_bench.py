@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from jdeep.cli import main
-from jdeep.random_weights import TINY_CONFIG
+from jdeep.random_weights import one_layer_config
 
 RUN_FIELDS = {"batch_size", "input_len", "output_len", "compile_s", "ttft_s", "prefill_tok_s", "itl_ms",
               "decode_tok_s_per_seq", "decode_tok_s", "decode_step_bytes", "achieved_bandwidth_gbs",
@@ -15,7 +15,7 @@ RUN_FIELDS = {"batch_size", "input_len", "output_len", "compile_s", "ttft_s", "p
 
 
 def test_bench_json_has_every_field(tmp_path, capsys):
-    (tmp_path / "c.json").write_text(json.dumps(TINY_CONFIG))
+    (tmp_path / "c.json").write_text(json.dumps(one_layer_config()))
     assert main(["bench", "--random-weights", str(tmp_path / "c.json"), "--input-len", "16", "--output-len", "4",
                  "--batch-size", "1,2", "--dtype", "float32", "--json", str(tmp_path / "r.json")]) == 0
     r = json.loads((tmp_path / "r.json").read_text())
@@ -45,7 +45,7 @@ def test_bench_plot(tmp_path, capsys):
     import pytest
 
     pytest.importorskip("matplotlib", reason="--plot needs the optional 'plot' extra (matplotlib)")
-    (tmp_path / "c.json").write_text(json.dumps(TINY_CONFIG))
+    (tmp_path / "c.json").write_text(json.dumps(one_layer_config()))
     assert main(["bench", "--random-weights", str(tmp_path / "c.json"), "--input-len", "16", "--output-len", "3",
                  "--batch-size", "1,2", "--dtype", "float32", "--plot", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
