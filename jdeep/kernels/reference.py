@@ -67,6 +67,11 @@ def _weights(w, select, numerics, dtype) -> jax.Array:
     return dequant({k: select(v) for k, v in w.items()}, numerics, dtype)
 
 
+def stacked_experts(w1) -> int:
+    """The expert axis length of a stacked [R, E, ...] expert weight (float array or quantized leaves)."""
+    return (w1["scale"] if isinstance(w1, dict) else w1).shape[1]
+
+
 def _expert(a: jax.Array, layer: jax.Array, e: jax.Array) -> jax.Array:
     """a[layer, e] of a stacked [R, E, ...] array, as one dynamic slice (a contiguous copy, not a gather)."""
     start = (layer, e) + (0,) * (a.ndim - 2)
@@ -118,7 +123,7 @@ def moe_experts_grouped(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2,
     """
     T, k = idx.shape
     N = T * k
-    E = (w1["scale"] if isinstance(w1, dict) else w1).shape[1]
+    E = stacked_experts(w1)
     tile = int(min(128, max(8, 1 << max(0, N // E - 1).bit_length())))
     n_tiles = -(-(N + E * (tile - 1)) // tile)
     q = isinstance(w1, dict)
@@ -171,7 +176,7 @@ def moe_experts_dense(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w
     holds E/ep experts). Per token the ops equal the per-pair kernel's; only the fp32 order of the sum over a
     token's experts differs. Returns fp32 [T, d].
     """
-    E = (w1["scale"] if isinstance(w1, dict) else w1).shape[1]
+    E = stacked_experts(w1)
     q = isinstance(w1, dict)
     xa = _act(x, numerics, q)
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import kernels
+from ..kernels.reference import stacked_experts
 from ..config import ModelConfig
 from ..numerics import Numerics
 from .linear import linear_f32
@@ -67,11 +68,6 @@ def _routed_op(config: ModelConfig, n_tokens: int) -> str:
         else "moe_experts_grouped"
 
 
-def _expert_count(experts: dict) -> int:
-    w1 = experts["w1"]
-    return (w1["scale"] if isinstance(w1, dict) else w1).shape[1]
-
-
 def _local_routed_op(config: ModelConfig, n_tokens: int, n_local: int) -> str:
     """The routed-expert kernel for one expert shard holding n_local experts. Every shard does the worst case
     (all T*k pairs could be its own), so when its experts are few it applies each of them to every token
@@ -114,7 +110,7 @@ def moe_expert_parallel(p: dict, experts: dict, layer: jax.Array, x: jax.Array, 
     inter_axes = ("tensor",) if layout.expert_inter else ()
     exp_specs = jax.tree_util.tree_map_with_path(
         lambda kp, a: layout.expert_spec(tuple(k.key for k in kp), a.shape), experts)
-    n_local = _expert_count(experts) // ep
+    n_local = stacked_experts(experts["w1"]) // ep
     op = kernels.get(_local_routed_op(config, T, n_local))
     shared_op = kernels.get("shared_expert")
 
