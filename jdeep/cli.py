@@ -1,4 +1,4 @@
-"""The `jdeep` command line: demo, generate, chat, bench, info, convert, check-graph, export. Commands that compile keep a persistent JAX
+"""The `jdeep` command line: demo, generate, chat, serve, bench, info, convert, check-graph, export. Commands that compile keep a persistent JAX
 compilation cache (--compile-cache DIR, $JDEEP_COMPILE_CACHE; --no-compile-cache or $JDEEP_NO_COMPILE_CACHE
 to disable)."""
 
@@ -170,6 +170,41 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(detok.flush(), flush=True)
         reply = out.tokens[0, :out.lengths[0]].tolist()
         messages.append({"role": "assistant", "content": tok.decode(reply)})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The OpenAI-compatible HTTP server (jdeep/serve/server.py) until SIGINT/SIGTERM."""
+    import jdeep
+    from jdeep.serve.engine import Engine
+    from jdeep.serve.server import ServerSettings, serve
+    from jdeep.serve.tokenizer import Tokenizer
+
+    if args.num_processes not in (None, 1):
+        raise ValueError("jdeep serve runs in one process (use --mesh over its local devices); multi-process "
+                         "serving is not supported yet")
+    if args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
+    if not os.path.isdir(args.model):
+        raise FileNotFoundError(f"--model {args.model} is not a folder")
+    model = jdeep.load(args.model, dtype=args.dtype, quantize_activations=args.quantize_activations,
+                       fp8_max=args.fp8_max, packed_kv=args.packed_kv, progress=True,
+                       compile_mode=args.compile_mode, host_embedding=args.host_embedding, mesh=args.mesh)
+    tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else model.tokenizer
+    engine = Engine(model, max_num_seqs=args.max_num_seqs, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                    seed=args.seed, tokenizer=tokenizer)
+    if args.warmup:
+        t0 = time.perf_counter()
+        n = engine.warmup()
+        print(f"jdeep serve: compiled {n} programs (every batch and prefill bucket) in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    created = int(os.path.getmtime(os.path.join(args.model, "config.json")))
+    print(f"jdeep serve: {name} on http://{args.host}:{args.port}/v1 ({engine.n_slots} slots, max_len {args.max_len}"
+          f"{', API key required' if args.api_key else ''}{'' if tokenizer else ', no tokenizer: token-id prompts only'})",
+          file=sys.stderr, flush=True)
+    serve(engine, ServerSettings(name, args.api_key, args.max_body_bytes, created), host=args.host, port=args.port,
+          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -492,6 +527,34 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_args(ch)
     _cache_args(ch)
     ch.set_defaults(fn=cmd_chat)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions "
+                                      "(streaming), /v1/models, /health, /metrics")
+    sv.add_argument("--model", required=True, help="checkpoint folder (config.json + safetensors [+ tokenizer.json])")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=os.environ.get("JDEEP_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1/* (default $JDEEP_API_KEY; none: open)")
+    sv.add_argument("--served-model-name", help="the model id clients send (default: the folder's name)")
+    sv.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint folder's")
+    sv.add_argument("--max-num-seqs", type=int, default=8, help="engine slots (requests decoded together)")
+    sv.add_argument("--max-len", type=int, default=4096, help="longest prompt + completion, in tokens")
+    sv.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step")
+    sv.add_argument("--seed", type=int, default=0, help="base seed of requests sent without one")
+    sv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="compile every batch-size and prefill-length bucket before serving (default on: no compile "
+                         "pauses under traffic)")
+    sv.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="on SIGINT/SIGTERM, seconds requests in flight may take to finish before they are cancelled")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.add_argument("--dtype", **dtype)
+    sv.add_argument("--quantize-activations", action=argparse.BooleanOptionalAction, default=None)
+    sv.add_argument("--fp8-max", type=float)
+    sv.add_argument("--packed-kv", action="store_true")
+    _runtime_args(sv)
+    _cache_args(sv)
+    sv.set_defaults(fn=cmd_serve)
 
     b = sub.add_parser("bench", help="prefill/decode speed, latency percentiles, memory and bandwidth roofline")
     bsrc = b.add_mutually_exclusive_group()

@@ -88,12 +88,21 @@ def tiny_v41_config(engram_vocab_size: int = 400, quantized: bool = True) -> dic
     return raw
 
 
-def write_word_tokenizer(path: str, vocab_size: int) -> None:
-    """A word-level tokenizer.json whose ids 0..vocab_size-1 decode to distinct words `tok<i>`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def write_word_tokenizer(path: str, vocab_size: int, chat_markers: bool = False) -> None:
+    """A word-level tokenizer.json whose ids 0..vocab_size-1 decode to distinct words `tok<i>`. chat_markers:
+    ids 0..5 are DeepSeek's chat markers instead (BOS, EOS, User, Assistant, <think>, </think>; special tokens),
+    so `Tokenizer.chat` works on it."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel({f"tok{i}": i for i in range(vocab_size)}, unk_token="tok0"))
+    from .serve.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
+
+    markers = [BOS, EOS, USER, ASSISTANT, THINK, END_THINK] if chat_markers else []
+    vocab = {f"tok{i}": i for i in range(len(markers), vocab_size)}
+    vocab.update({m: i for i, m in enumerate(markers)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=f"tok{len(markers)}"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if markers:
+        tok.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in markers])
     tok.save(path)
 
 

@@ -124,3 +124,60 @@ def test_chat_streams_the_reply(tmp_path, monkeypatch, capsys):
     ids = tok.chat([{"role": "user", "content": "tok5 tok9"}])
     out = jdeep.generate(jdeep.load(tmp_path), [ids], max_new_tokens=6)
     assert printed.strip() == tok.decode(out.tokens[0, :out.lengths[0]]).strip() != ""
+
+
+def test_serve_answers_with_the_api_key_and_stops_on_sigterm(tmp_path):
+    """`jdeep serve` in its own process: warmup, /health, 401 without the key, a completion, SIGTERM -> clean exit."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    random_checkpoint(one_layer_config(), str(tmp_path / "m"), seed=3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "jdeep.cli", "serve", "--model", str(tmp_path / "m"), "--port", str(port),
+           "--api-key", "k3y", "--max-num-seqs", "1", "--max-len", "32", "--prefill-chunk", "16",
+           "--served-model-name", "one-layer"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    base = f"http://127.0.0.1:{port}"
+
+    def call(path, body=None, key="k3y"):
+        req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {key}"} if key else {})})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        t0 = time.time()
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                if call("/health", key=None)[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert time.time() - t0 < 180, "the server did not come up"
+            time.sleep(0.2)
+        assert call("/v1/models", key=None)[0] == 401
+        code, models = call("/v1/models")
+        assert code == 200 and models["data"][0]["id"] == "one-layer" and models["data"][0]["max_model_len"] == 32
+        code, r = call("/v1/completions", {"model": "one-layer", "prompt": [0, 5, 9], "max_tokens": 4, "temperature": 0})
+        assert code == 200 and len(r["choices"][0]["token_ids"]) >= 1     # no tokenizer.json: token ids come back
+        want = jdeep.generate(jdeep.load(tmp_path / "m"), [[0, 5, 9]], max_new_tokens=4)
+        assert r["choices"][0]["token_ids"] == want.tokens[0, :want.lengths[0]].tolist()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (0, -signal.SIGTERM), err
+    assert "compiled 3 programs" in err and "Shutting down" in err and "Traceback" not in err

@@ -1,5 +1,6 @@
-"""Serving pieces: per-request sampling on the device, the tokenizer (chat format, streaming detokenisation).
-The continuous-batching engine and the benchmark harness are tracked in issue 5."""
+"""Serving: per-request sampling on the device, the tokenizer (chat format, streaming detokenisation), the
+continuous-batching engine (engine.py), the benchmark harness (bench.py) and the OpenAI-compatible HTTP server
+(server.py, on async_engine.py, openai_protocol.py, metrics.py)."""
 
 from .sampling import SamplingParams, sample
 from .tokenizer import IncrementalDetokenizer, Tokenizer, chat_prompt

@@ -11,7 +11,9 @@ disturb the others: a request's tokens do not depend on its company. (Models wit
 step the whole pool: their host-side n-gram histories are per pool row.)
 
 Bad requests (invalid sampling values, out-of-vocabulary ids, prompts that do not fit) finish at once
-with finish_reason "error" and a message; the engine keeps serving the rest.
+with finish_reason "error" and a message; the engine keeps serving the rest. `check_request` runs the same
+validation without queueing (a server answers 400 with it); `abort` ends a request and frees its slot at
+once; `release` drops a finished request's record (a long-running server keeps none).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class RequestOutput:
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None     # "stop" (stop token / EOS / stop string), "length" or "error"
+    finish_reason: str | None = None     # "stop" (stop token / EOS / stop string), "length", "abort" or "error"
     error: str | None = None
     text: str | None = None              # the generated text (cut before a stop string), given a tokenizer
 
@@ -81,6 +83,7 @@ class Engine:
         self.waiting: deque[_Slot] = deque()
         self.outputs: dict[str, RequestOutput] = {}
         self._ids = itertools.count()
+        self._n_added = 0                             # requests ever added (default seeds)
         self._params = [SamplingParams()] * self.n_slots
         self._sb = None
         self._last = np.zeros(self.n_slots, np.int32)
@@ -88,30 +91,81 @@ class Engine:
         self.steps_per_bucket: dict[int, int] = {}    # engine steps run at each batch-size bucket
 
     # ------------------------------------------------------------------ requests
+    def check_request(self, prompt: Sequence[int] | str, sampling: SamplingParams | None = None
+                      ) -> tuple[np.ndarray, SamplingParams]:
+        """Validate a request without queueing it: (prompt ids int32 [T], sampling params), or ValueError
+        naming the problem (bad ids, text without a tokenizer, bad sampling values, too long for max_len).
+        Reads only the model's config and tokenizer: safe to call from another thread."""
+        (ids,) = validate_prompts(self.model, [prompt], self.tokenizer)
+        p = (sampling or SamplingParams()).validate(self.model.config.vocab_size)
+        if p.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (the model has no tokenizer.json): use stop_token_ids")
+        if len(ids) + p.max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
+                             f"engine's max_len {self.max_len}")
+        return ids, p
+
     def add_request(self, prompt: Sequence[int] | str, sampling: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request (token ids, or text with a tokenizer); returns its id. An invalid request is
-        finished at once with an error."""
+        finished at once with an error. A request_id already in use is a ValueError."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.outputs:
+            raise ValueError(f"request id {rid!r} is already in use")
         out = RequestOutput(rid, _as_ids(prompt))
         self.outputs[rid] = out
+        self._n_added += 1
         try:
-            (ids,) = validate_prompts(self.model, [prompt], self.tokenizer)
+            ids, p = self.check_request(prompt, sampling)
             out.prompt = ids.tolist()
-            p = (sampling or SamplingParams()).validate(self.model.config.vocab_size)
-            if p.stop and self.tokenizer is None:
-                raise ValueError("stop strings need a tokenizer (the model has no tokenizer.json): use stop_token_ids")
-            if len(ids) + p.max_new_tokens > self.max_len:
-                raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
-                                 f"engine's max_len {self.max_len}")
         except ValueError as e:
             out.finished, out.finish_reason, out.error = True, "error", str(e)
             return rid
         if p.seed is None:
-            p = dataclasses.replace(p, seed=self.seed + len(self.outputs) - 1)
+            p = dataclasses.replace(p, seed=self.seed + self._n_added - 1)
         matcher = StopMatcher(self.tokenizer, p.stop) if p.stop else None
         self.waiting.append(_Slot(out, p, tuple(dict.fromkeys(tuple(p.stop_token_ids) + self.eos)), matcher))
         return rid
+
+    def abort(self, request_id: str) -> bool:
+        """End a waiting or running request now (finish_reason "abort"); its slot is free for the next step.
+        Returns False if the request is unknown or already finished."""
+        out = self.outputs.get(request_id)
+        if out is None or out.finished:
+            return False
+        for s in self.waiting:
+            if s.out is out:
+                self.waiting.remove(s)
+                break
+        else:
+            for i, s in enumerate(self.slots):
+                if s is not None and s.out is out:
+                    self.slots[i] = None
+                    break
+        out.finished, out.finish_reason = True, "abort"
+        return True
+
+    def reset(self) -> None:
+        """Abort every request and allocate a fresh decode state (after a failed step, whose donated state
+        may be gone)."""
+        for s in list(self.waiting) + [s for s in self.slots if s is not None]:
+            self.abort(s.out.request_id)
+        self.state = self.model.init_state(self.n_slots, length_bucket(self.max_len, 256))
+        self.history = self.model.new_history(self.n_slots)
+
+    def release(self, request_id: str) -> RequestOutput | None:
+        """Forget a finished request's record (returns it); a request still in flight is aborted first."""
+        self.abort(request_id)
+        return self.outputs.pop(request_id, None)
+
+    @property
+    def n_running(self) -> int:
+        """Requests holding a slot (prefilling or decoding)."""
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.waiting)
 
     @property
     def has_work(self) -> bool:
@@ -132,7 +186,11 @@ class Engine:
             self.state = _reset(self.state, self.model.put(mask))
             if self.history is not None:
                 self.history.reset(taken)
-            self._sb = batch_params(self._params, self.n_slots)
+            self._sb = self._host_batch(self._params)
+
+    def _host_batch(self, params: list[SamplingParams]) -> SamplingBatch:
+        """Sampling values on the host: a bucket's rows are a numpy slice, not a device program."""
+        return SamplingBatch(*(np.asarray(a) for a in batch_params(params, len(params))))
 
     def _bucket(self, rows: list[int]) -> int:
         """The batch-size bucket holding `rows`: the smallest power of two > max(rows) (the pool without one)."""
@@ -205,6 +263,23 @@ class Engine:
             s = self.slots[i]
             pos[i, 0] = len(s.out.prompt) + len(s.out.tokens) - 1
         return self._emit(self._run(toks, pos, running), running)
+
+    def warmup(self) -> int:
+        """Compile every program serving can reach before the first request: for each batch-size bucket, the
+        decode step, each prefill chunk-length bucket and the sampler. Rows carry position -1, so the state
+        and the requests in it are untouched. Returns the number of programs run."""
+        buckets = sorted({self._bucket([n - 1]) for n in (1 << k for k in range(self.n_slots.bit_length()))})
+        lengths = sorted({1} | {length_bucket(k) for k in range(1, self.chunk + 1)})
+        counts = dict(self.steps_per_bucket)
+        self.state = _reset(self.state, self.model.put(np.zeros(self.n_slots, bool)))
+        for n in buckets:
+            for S in lengths:
+                toks = np.zeros((self.n_slots, S), np.int32)
+                logits = self._run(toks, np.full((self.n_slots, S), -1, np.int32), [n - 1])
+            sb = self._host_batch([SamplingParams()] * n)
+            jax.block_until_ready(_sample(*self.model.to_sampler((logits, sb, np.zeros(n, np.int32)))))
+        self.steps_per_bucket = counts
+        return len(buckets) * (len(lengths) + 1)
 
     def run(self, on_finish: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:
         """Step until every queued request has finished; returns all outputs by request id."""

@@ -1,0 +1,398 @@
+"""The OpenAI-compatible HTTP server (starlette + uvicorn) on the continuous-batching engine.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent events in
+OpenAI's chunk format, ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus).
+Every request shares the one engine (AsyncEngine: the Engine on its own thread); a client that disconnects
+has its requests aborted at once, which frees their slots at the engine's next step. Errors are OpenAI's
+JSON ({"error": {...}}) with 4xx codes for the client's mistakes: 400 bad fields or JSON, 401 without the
+API key (--api-key guards /v1/*; /health and /metrics stay open for probes and scrapers), 404 unknown model
+or route, 405, 413 body too large, 503 while shutting down. Shutdown (SIGINT/SIGTERM) stops accepting
+connections, lets requests in flight finish for up to `shutdown_timeout` seconds, then cancels the rest and
+stops the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .async_engine import AsyncEngine, RequestHandle
+from .engine import Engine
+from .metrics import Counter, Gauge, Histogram, Registry
+from .openai_protocol import (APIError, GenerationRequest, ServingContext, chat_chunk, chat_response,
+                              completion_chunk, completion_response, parse_chat, parse_completion, usage, usage_chunk)
+from .stops import StopMatcher
+
+__all__ = ["ServerSettings", "build_app", "serve", "make_server", "background_server"]
+
+log = logging.getLogger("jdeep.serve")
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    created: int = 0                    # the model's "created" timestamp in /v1/models
+
+
+class _Metrics:
+    def __init__(self, aengine: AsyncEngine):
+        r = self.registry = Registry()
+        st = aengine.stats
+        self.requests = r.add(Counter("jdeep_requests_total", "HTTP requests by route and status code",
+                                      ("endpoint", "status")))
+        self.finished = r.add(Counter("jdeep_request_finished_total", "Generation requests by finish reason",
+                                      ("finish_reason",)))
+        self.prompt_tokens = r.add(Counter("jdeep_prompt_tokens_total", "Prompt tokens processed"))
+        self.generation_tokens = r.add(Counter("jdeep_generation_tokens_total", "Tokens generated"))
+        self.ttft = r.add(Histogram("jdeep_time_to_first_token_seconds", "Request arrival to its first token"))
+        self.itl = r.add(Histogram("jdeep_inter_token_latency_seconds", "Time between a request's tokens"))
+        self.e2e = r.add(Histogram("jdeep_e2e_request_latency_seconds", "Request arrival to its last token"))
+        self.step = r.add(Histogram("jdeep_engine_step_seconds", "Duration of one engine step"))
+        r.add(Gauge("jdeep_slots_total", "Sequence slots in the engine's pool", lambda: st.slots))
+        r.add(Gauge("jdeep_slots_used", "Slots held by running requests", lambda: st.running))
+        r.add(Gauge("jdeep_requests_waiting", "Requests queued for a slot", lambda: st.waiting))
+        r.add(Gauge("jdeep_engine_steps_total", "Engine steps run", lambda: st.steps))
+        self._stats = st
+
+    def render(self) -> str:
+        times, self._stats.step_seconds[:] = list(self._stats.step_seconds), []
+        for t in times:
+            self.step.observe(t)
+        return self.registry.render()
+
+
+class _Timer:
+    """TTFT / ITL / end-to-end latency of one HTTP request."""
+
+    def __init__(self, metrics: _Metrics):
+        self.m, self.t0, self.last = metrics, time.monotonic(), None
+
+    def tokens(self, n: int, at: float) -> None:
+        if n == 0:
+            return
+        if self.last is None:
+            self.m.ttft.observe(at - self.t0)
+        else:
+            for _ in range(n):
+                self.m.itl.observe((at - self.last) / n)
+        self.last = at
+
+    def done(self, prompt_tokens: int, completion_tokens: int, reasons: Iterable[str]) -> None:
+        self.m.e2e.observe(time.monotonic() - self.t0)
+        self.m.prompt_tokens.inc(prompt_tokens)
+        self.m.generation_tokens.inc(completion_tokens)
+        for r in reasons:
+            self.m.finished.inc(1, r)
+
+
+class _Choice:
+    """The text of one choice as its tokens arrive (stop strings held back and cut, whole UTF-8 characters)."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.matcher = StopMatcher(tokenizer, stop) if tokenizer is not None else None
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+
+    def push(self, tokens: list[int], finished: bool) -> str:
+        self.tokens += tokens
+        new = ""
+        if self.matcher is not None:
+            new = self.matcher.push(tokens) + (self.matcher.finish() if finished else "")
+        self.text += new
+        return new
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "finish_reason": self.finish_reason, "token_ids": self.tokens}
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _abort_on_disconnect(receive, handles: list[RequestHandle]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    for h in handles:
+        h.abort()
+
+
+class _Stream(StreamingResponse):
+    """An SSE response whose requests are aborted whenever it ends early (disconnect, cancellation, error)."""
+
+    def __init__(self, content, handles: list[RequestHandle]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.handles = handles
+
+    async def __call__(self, scope, receive, send) -> None:
+        watcher = asyncio.ensure_future(_abort_on_disconnect(receive, self.handles))
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            watcher.cancel()
+            for h in self.handles:
+                h.abort()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _App:
+    def __init__(self, aengine: AsyncEngine, settings: ServerSettings):
+        self.engine, self.settings = aengine, settings
+        eng = aengine.engine
+        self.tokenizer = eng.tokenizer
+        self.ctx = ServingContext(settings.model_name, eng.max_len, eng.tokenizer, aengine.check)
+        self.metrics = _Metrics(aengine)
+        self.draining = False
+
+    # ------------------------------------------------------------------ plain routes
+    async def health(self, request: Request) -> Response:
+        ok = self.engine.stats.alive and not self.draining
+        return JSONResponse({"status": "ok" if ok else ("draining" if self.draining else "engine stopped")},
+                            status_code=200 if ok else 503)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.settings.model_name, "object": "model", "created": self.settings.created, "owned_by": "jdeep",
+            "max_model_len": self.ctx.max_len}]})
+
+    async def metrics_route(self, request: Request) -> Response:
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ------------------------------------------------------------------ generation
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat)
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body ({declared} bytes) exceeds the limit of {limit} bytes")
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise APIError(413, f"the request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+    async def _generate(self, request: Request, parse) -> Response:
+        timer = _Timer(self.metrics)
+        try:
+            if self.draining:
+                raise APIError(503, "the server is shutting down", type="service_unavailable")
+            req: GenerationRequest = parse(await self._read_json(request), self.ctx)
+            queue: asyncio.Queue = asyncio.Queue()
+            try:
+                handles = [self.engine.submit(ids, req.params, queue) for ids in req.prompts]
+            except RuntimeError as e:
+                raise APIError(503, str(e), type="service_unavailable") from None
+        except APIError as e:
+            return _error(e)
+        choices = [_Choice(self.tokenizer, req.params.stop) for _ in handles]
+        index = {h.request_id: i for i, h in enumerate(handles)}
+        if req.stream:
+            return _Stream(self._events(req, handles, queue, choices, index, timer), handles)
+        watcher = asyncio.ensure_future(_abort_on_disconnect(request.receive, handles))
+        try:
+            async for i, d in self._deltas(handles, queue, index, timer):
+                choices[i].push(d.tokens, d.finished)
+                if d.finished:
+                    choices[i].finish_reason = d.finish_reason
+        finally:
+            watcher.cancel()
+            for h in handles:
+                h.abort()
+        failed = [c for c in choices if c.finish_reason in ("error", "abort")]
+        self._done(req, choices, timer)
+        if failed:
+            aborted = failed[0].finish_reason == "abort"
+            return _error(APIError(503 if aborted else 500, "the request was cancelled (the server is shutting down)"
+                                   if aborted else "the engine failed while generating", type="server_error"))
+        u = usage(sum(map(len, req.prompts)), sum(len(c.tokens) for c in choices))
+        if req.kind == "completion":
+            return JSONResponse(completion_response(req, [c.as_dict() for c in choices], u))
+        return JSONResponse(chat_response(req, choices[0].as_dict(), u))
+
+    async def _deltas(self, handles: list[RequestHandle], queue: asyncio.Queue, index: dict, timer: _Timer):
+        """(choice index, Delta) until every request has finished; feeds the latency metrics."""
+        left = len(handles)
+        while left:
+            d = await queue.get()
+            i = index[d.request_id]
+            timer.tokens(len(d.tokens), d.time)
+            if d.finished:
+                handles[i].finished = True
+                left -= 1
+            yield i, d
+
+    def _done(self, req: GenerationRequest, choices: list[_Choice], timer: _Timer) -> None:
+        timer.done(sum(map(len, req.prompts)), sum(len(c.tokens) for c in choices),
+                   [c.finish_reason or "abort" for c in choices])
+
+    async def _events(self, req: GenerationRequest, handles, queue, choices: list[_Choice], index: dict, timer: _Timer):
+        chat = req.kind == "chat"
+        try:
+            if chat:
+                yield _sse(chat_chunk(req, {"role": "assistant", "content": ""}, [], None))
+            async for i, d in self._deltas(handles, queue, index, timer):
+                c = choices[i]
+                text = c.push(d.tokens, d.finished)
+                if d.finished:
+                    c.finish_reason = d.finish_reason
+                if d.finish_reason in ("error", "abort"):
+                    msg = ("the request was cancelled (the server is shutting down)" if d.finish_reason == "abort"
+                           else d.error or "the engine failed while generating")
+                    yield _sse(APIError(503 if d.finish_reason == "abort" else 500, msg, type="server_error").body())
+                    break
+                if not text and not d.finished and not (req.return_token_ids and d.tokens):
+                    continue
+                if chat:
+                    yield _sse(chat_chunk(req, {"content": text} if text else {}, d.tokens, d.finish_reason))
+                else:
+                    yield _sse(completion_chunk(req, i, text, d.tokens, d.finish_reason))
+            if req.include_usage:
+                yield _sse(usage_chunk(req, usage(sum(map(len, req.prompts)), sum(len(c.tokens) for c in choices))))
+            yield "data: [DONE]\n\n"
+        finally:
+            self._done(req, choices, timer)
+
+
+class _RequestCounter:
+    """ASGI middleware: counts every HTTP request by route and status; checks the API key on /v1/*."""
+
+    def __init__(self, app, state: _App, routes: set[str]):
+        self.app, self.state, self.routes = app, state, routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        status = [500]
+
+        async def send_(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            key = self.state.settings.api_key
+            if key is not None and path.startswith("/v1"):
+                auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                if not hmac.compare_digest(auth.encode(), f"Bearer {key}".encode()):
+                    err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                   code="invalid_api_key")
+                    return await _error(err)(scope, receive, send_)
+            await self.app(scope, receive, send_)
+        finally:
+            self.state.metrics.requests.inc(1, path if path in self.routes else "other", str(status[0]))
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
+    msg = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on {request.url.path}"}
+    return _error(APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail)), type=kind))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    return _error(APIError(500, f"internal server error: {type(exc).__name__}", type="server_error"))
+
+
+def build_app(aengine: AsyncEngine, settings: ServerSettings):
+    """The ASGI app; starts the engine thread on startup and stops it on shutdown. `app.state.jdeep` is the
+    _App (its `draining` flag turns new requests away with 503)."""
+    state = _App(aengine, settings)
+    routes = [Route("/v1/completions", state.completions, methods=["POST"]),
+              Route("/v1/chat/completions", state.chat, methods=["POST"]),
+              Route("/v1/models", state.models, methods=["GET"]),
+              Route("/health", state.health, methods=["GET"]),
+              Route("/metrics", state.metrics_route, methods=["GET"])]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        aengine.start()
+        try:
+            yield
+        finally:
+            state.draining = True
+            await asyncio.get_running_loop().run_in_executor(None, aengine.stop)
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    app.state.jdeep = state
+    app.add_middleware(_RequestCounter, state=state, routes={r.path for r in routes})
+    return app
+
+
+def make_server(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
+                shutdown_timeout: float = 30.0, log_level: str = "info"):
+    """A uvicorn Server for the engine: `server.run()` blocks until SIGINT/SIGTERM (or `server.should_exit`)."""
+    import uvicorn
+
+    app = build_app(AsyncEngine(engine), settings)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:      # stop taking requests before uvicorn drains the rest
+            app.state.jdeep.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
+                            lifespan="on")
+    return _Server(config)
+
+
+def serve(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
+          shutdown_timeout: float = 30.0, log_level: str = "info") -> None:
+    make_server(engine, settings, host, port, shutdown_timeout, log_level).run()
+
+
+@contextlib.contextmanager
+def background_server(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 0,
+                      shutdown_timeout: float = 30.0, log_level: str = "warning"):
+    """Serve from a background thread (a notebook, tests): `with background_server(engine, settings) as (url,
+    server):` with url = "http://HOST:PORT/v1" (port 0: a free one). Leaving the block shuts it down as a
+    signal would (in-flight requests get `shutdown_timeout` seconds)."""
+    import socket
+    import threading
+
+    server = make_server(engine, settings, host, port, shutdown_timeout, log_level)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="jdeep-http", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server thread ended before it started serving")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}/v1", server
+    finally:
+        server.handle_exit(15, None)
+        thread.join(shutdown_timeout + 10)
+        sock.close()

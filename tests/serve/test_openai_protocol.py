@@ -1,0 +1,97 @@
+"""OpenAI request bodies -> validated requests: each bad field is a 4xx naming it; prompt and message forms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jdeep.random_weights import write_word_tokenizer
+from jdeep.serve import SamplingParams
+from jdeep.serve.openai_protocol import APIError, ServingContext, parse_chat, parse_completion
+from jdeep.serve.tokenizer import Tokenizer
+
+V, MAX_LEN = 512, 64
+
+
+def _check(ids, params: SamplingParams):
+    a = np.asarray(ids)
+    if (a < 0).any() or (a >= V).any():
+        raise ValueError("token id outside the vocabulary")
+    return a.astype(np.int32), params.validate(V)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    write_word_tokenizer(str(path), V, chat_markers=True)
+    return Tokenizer(path)
+
+
+@pytest.fixture
+def ctx(tok):
+    return ServingContext("m", MAX_LEN, tok, _check)
+
+
+def _error(fn, body, ctx) -> APIError:
+    with pytest.raises(APIError) as e:
+        fn(body, ctx)
+    return e.value
+
+
+def test_completion_fields_become_sampling_params(ctx):
+    r = parse_completion({"model": "m", "prompt": [0, 7, 9], "max_tokens": 5, "temperature": 0.5, "top_p": 0.9,
+                          "top_k": 20, "min_p": 0.1, "seed": 4, "stop": "tok3", "stop_token_ids": [11]}, ctx)
+    assert r.prompts == [[0, 7, 9]] and r.kind == "completion" and not r.stream and r.id.startswith("cmpl-")
+    assert r.params == SamplingParams(temperature=0.5, top_k=20, top_p=0.9, min_p=0.1, seed=4, max_new_tokens=5,
+                                      stop_token_ids=(11,), stop=("tok3",))
+    d = parse_completion({"prompt": "tok7 tok9"}, ctx)          # model may be left out; OpenAI's defaults
+    assert d.model == "m" and d.prompts == [[7, 9]] and d.params.max_new_tokens == 16 and d.params.temperature == 1.0
+    several = parse_completion({"prompt": ["tok7", [0, 1, 2]], "stream": True,
+                                "stream_options": {"include_usage": True}}, ctx)
+    assert several.prompts == [[7], [0, 1, 2]] and several.stream and several.include_usage
+
+
+def test_bad_completion_fields_name_themselves(ctx):
+    cases = [({"model": "other", "prompt": [1]}, 404, "model"), ({"prompt": [1], "temperature": "hot"}, 400, "temperature"),
+             ({"prompt": [1], "max_tokens": 0}, 400, "max_tokens"), ({"prompt": [1], "max_tokens": True}, 400, "max_tokens"),
+             ({"prompt": [1], "n": 3}, 400, "n"), ({"prompt": [1], "echo": True}, 400, "echo"),
+             ({"prompt": [1], "presence_penalty": 0.5}, 400, "presence_penalty"), ({"prompt": [1], "stop": 3}, 400, "stop"),
+             ({"prompt": [1], "stream_options": {"include_usage": True}}, 400, "stream_options"),
+             ({"prompt": [[1], []]}, 400, "prompt"), ({"prompt": [1.5]}, 400, "prompt"), ({}, 400, "prompt"),
+             ({"prompt": [1], "max_tokens": MAX_LEN}, 400, "max_tokens"), ({"prompt": [1] * MAX_LEN}, 400, "prompt")]
+    for body, status, param in cases:
+        e = _error(parse_completion, body, ctx)
+        assert (e.status, e.param) == (status, param), (body, e.message)
+        assert e.body()["error"]["message"] == e.message
+    assert _error(parse_completion, [1, 2], ctx).status == 400                 # not an object
+    e = _error(parse_completion, {"prompt": [1, 2, V]}, ctx)                  # the engine's own validation
+    assert e.status == 400 and "vocabulary" in e.message
+    for off in ({"n": 1}, {"logprobs": None}, {"echo": False}, {"frequency_penalty": 0}, {"logit_bias": {}}):
+        parse_completion({"prompt": [1], **off}, ctx)                          # explicit "off" values are fine
+
+
+def test_chat_messages(ctx, tok):
+    r = parse_chat({"messages": [{"role": "developer", "content": "tok9"},
+                                 {"role": "user", "content": [{"type": "text", "text": "tok7 "}, {"type": "text",
+                                                                                                 "text": "tok8"}]}]}, ctx)
+    want = tok.chat([{"role": "system", "content": "tok9"}, {"role": "user", "content": "tok7 tok8"}])
+    assert r.prompts == [want] and r.kind == "chat" and r.id.startswith("chatcmpl-")
+    assert r.params.max_new_tokens == MAX_LEN - len(want)                       # chat: the rest of the context
+    think = parse_chat({"messages": [{"role": "user", "content": "tok7"}], "max_completion_tokens": 3,
+                        "chat_template_kwargs": {"thinking": True}}, ctx)
+    assert think.prompts == [tok.chat([{"role": "user", "content": "tok7"}], thinking=True)]
+    assert think.params.max_new_tokens == 3
+    for messages in ([], [{"role": "tool", "content": "x"}], [{"role": "user", "content": None}],
+                     [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                     [{"role": "assistant", "content": "tok1"}], "hello"):
+        assert _error(parse_chat, {"messages": messages}, ctx).param == "messages"
+    assert _error(parse_chat, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+                  ctx).param == "tools"
+
+
+def test_without_a_tokenizer_token_ids_come_back_and_text_is_refused(ctx):
+    bare = ServingContext("m", MAX_LEN, None, _check)
+    assert parse_completion({"prompt": [0, 5]}, bare).return_token_ids
+    assert not parse_completion({"prompt": [0, 5]}, ctx).return_token_ids
+    assert "tokenizer" in _error(parse_completion, {"prompt": "tok5"}, bare).message
+    assert "tokenizer" in _error(parse_chat, {"messages": [{"role": "user", "content": "x"}]}, bare).message
