@@ -113,7 +113,7 @@ class AsyncEngine:
                request_id: str | None = None) -> RequestHandle:
         """Queue a request from a coroutine; its Deltas go to `queue` (a new one by default; several
         requests may share one, Delta.request_id tells them apart)."""
-        if self._stopping or self._thread is None:
+        if self._stopping or self._thread is None or not self.stats.alive:
             raise RuntimeError("the engine is not running")
         with self._cv:
             self._n += 1
@@ -124,6 +124,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """End every request in flight (a shutdown that cannot wait longer): callers get finish_reason "abort"."""
+        self._post(("abort_all",))
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Abort whatever is in flight (callers get finish_reason "abort") and end the thread."""
@@ -167,6 +171,16 @@ class AsyncEngine:
                     self.stats.steps += 1
                     self.stats.step_seconds.append(time.perf_counter() - t0)
                 self._publish()
+        except BaseException as e:      # a bug outside the step: nobody may wait forever
+            log.exception("the engine thread failed")
+            self.stats.alive = False
+            for rid, t in self._tracked.items():
+                try:
+                    t.loop.call_soon_threadsafe(t.queue.put_nowait, Delta(
+                        rid, [], True, "error", f"the engine thread failed: {type(e).__name__}: {e}", time.monotonic()))
+                except RuntimeError:
+                    pass
+            raise
         finally:
             self.stats.alive = False
 
@@ -180,8 +194,11 @@ class AsyncEngine:
                 del self._tracked[rid]
                 tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait,
                                                   Delta(rid, [], True, "error", str(e), time.monotonic()))
-        else:
+        elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
+        else:
+            for rid in list(self._tracked):
+                self.engine.abort(rid)
 
     def _fail_all(self, message: str) -> None:
         """Fail every request in flight and start over with a fresh state (the failed step may have consumed

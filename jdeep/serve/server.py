@@ -7,8 +7,9 @@ has its requests aborted at once, which frees their slots at the engine's next s
 JSON ({"error": {...}}) with 4xx codes for the client's mistakes: 400 bad fields or JSON, 401 without the
 API key (--api-key guards /v1/*; /health and /metrics stay open for probes and scrapers), 404 unknown model
 or route, 405, 413 body too large, 503 while shutting down. Shutdown (SIGINT/SIGTERM) stops accepting
-connections, lets requests in flight finish for up to `shutdown_timeout` seconds, then cancels the rest and
-stops the engine thread.
+connections and lets requests in flight finish; one second before `shutdown_timeout` the engine aborts those
+still running (a stream ends with an error event and [DONE], a plain request gets 503), uvicorn cancels
+whatever is left at the timeout, and the engine thread stops.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import hmac
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -77,7 +79,7 @@ class _Metrics:
         return self.registry.render()
 
 
-class _Timer:
+class _Latency:
     """TTFT / ITL / end-to-end latency of one HTTP request."""
 
     def __init__(self, metrics: _Metrics):
@@ -201,7 +203,7 @@ class _App:
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
     async def _generate(self, request: Request, parse) -> Response:
-        timer = _Timer(self.metrics)
+        timer = _Latency(self.metrics)
         try:
             if self.draining:
                 raise APIError(503, "the server is shutting down", type="service_unavailable")
@@ -238,7 +240,7 @@ class _App:
             return JSONResponse(completion_response(req, [c.as_dict() for c in choices], u))
         return JSONResponse(chat_response(req, choices[0].as_dict(), u))
 
-    async def _deltas(self, handles: list[RequestHandle], queue: asyncio.Queue, index: dict, timer: _Timer):
+    async def _deltas(self, handles: list[RequestHandle], queue: asyncio.Queue, index: dict, timer: _Latency):
         """(choice index, Delta) until every request has finished; feeds the latency metrics."""
         left = len(handles)
         while left:
@@ -250,11 +252,11 @@ class _App:
                 left -= 1
             yield i, d
 
-    def _done(self, req: GenerationRequest, choices: list[_Choice], timer: _Timer) -> None:
+    def _done(self, req: GenerationRequest, choices: list[_Choice], timer: _Latency) -> None:
         timer.done(sum(map(len, req.prompts)), sum(len(c.tokens) for c in choices),
                    [c.finish_reason or "abort" for c in choices])
 
-    async def _events(self, req: GenerationRequest, handles, queue, choices: list[_Choice], index: dict, timer: _Timer):
+    async def _events(self, req: GenerationRequest, handles, queue, choices: list[_Choice], index: dict, timer: _Latency):
         chat = req.kind == "chat"
         try:
             if chat:
@@ -354,11 +356,17 @@ def make_server(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1
     """A uvicorn Server for the engine: `server.run()` blocks until SIGINT/SIGTERM (or `server.should_exit`)."""
     import uvicorn
 
-    app = build_app(AsyncEngine(engine), settings)
+    aengine = AsyncEngine(engine)
+    app = build_app(aengine, settings)
 
     class _Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:      # stop taking requests before uvicorn drains the rest
-            app.state.jdeep.draining = True
+        def handle_exit(self, sig, frame) -> None:
+            state = app.state.jdeep
+            if not state.draining:      # turn new requests away; end the rest cleanly just before uvicorn cancels them
+                state.draining = True
+                timer = threading.Timer(max(0.0, shutdown_timeout - 1.0), aengine.abort_all)
+                timer.daemon = True
+                timer.start()
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
@@ -378,7 +386,6 @@ def background_server(engine: Engine, settings: ServerSettings, host: str = "127
     server):` with url = "http://HOST:PORT/v1" (port 0: a free one). Leaving the block shuts it down as a
     signal would (in-flight requests get `shutdown_timeout` seconds)."""
     import socket
-    import threading
 
     server = make_server(engine, settings, host, port, shutdown_timeout, log_level)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -42,6 +42,30 @@ def _run(model, reqs, engine=None, **kw):
     return [outs[i] for i in ids]
 
 
+def test_warmup_compiles_every_program_serving_reaches(model):
+    """First in the module: the programs it compiles are the ones the 64-request test below runs."""
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    jax.clear_caches()                                    # whatever ran before in this process
+    eng = Engine(model, max_num_seqs=8, max_len=64, prefill_chunk=16)
+    state = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(eng.state)]
+    assert eng.warmup() == 4 * 3                          # buckets 1, 2, 4, 8 x (decode, prefill 16, sampler)
+    for before, after in zip(state, jax.tree_util.tree_leaves(eng.state)):
+        np.testing.assert_array_equal(before, np.asarray(after))     # rows at position -1 write nothing
+    assert eng.steps_per_bucket == {}
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == BACKEND_COMPILE_EVENT else None)
+    rng = np.random.default_rng(5)
+    for n in (1, 3, 8, 2, 5):
+        for _ in range(n):
+            eng.add_request([0] + rng.integers(2, 500, size=int(rng.integers(2, 40))).tolist(),
+                            SamplingParams(max_new_tokens=3, temperature=0.5 * (n % 2)))
+        eng.run()
+    assert set(eng.steps_per_bucket) == {1, 2, 4, 8}
+    assert compiles == []
+
+
 def test_64_requests_in_8_slots_equal_their_solo_runs(model):
     reqs = _requests()
     eng = Engine(model, max_num_seqs=8, max_len=64, prefill_chunk=16)
@@ -122,24 +146,3 @@ def test_text_prompts_and_stop_strings(model):
     r = no_tok.add_request(prompt, sp)
     assert no_tok.outputs[r].finish_reason == "error" and "tokenizer" in no_tok.outputs[r].error
 
-
-def test_warmup_compiles_every_program_serving_reaches(model):
-    from jax._src.dispatch import BACKEND_COMPILE_EVENT
-
-    eng = Engine(model, max_num_seqs=4, max_len=64, prefill_chunk=32)
-    state = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(eng.state)]
-    assert eng.warmup() == 3 * 4                          # buckets 1, 2, 4 x (decode, prefill 16, prefill 32, sampler)
-    for before, after in zip(state, jax.tree_util.tree_leaves(eng.state)):
-        np.testing.assert_array_equal(before, np.asarray(after))     # rows at position -1 write nothing
-    assert eng.steps_per_bucket == {}
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiles.append(event) if event == BACKEND_COMPILE_EVENT else None)
-    rng = np.random.default_rng(5)
-    for n in (1, 3, 4, 2):
-        for _ in range(n):
-            eng.add_request([0] + rng.integers(2, 500, size=int(rng.integers(2, 60))).tolist(),
-                            SamplingParams(max_new_tokens=3, temperature=0.5 * (n % 2)))
-        eng.run()
-    assert set(eng.steps_per_bucket) == {1, 2, 4}
-    assert compiles == []

@@ -36,7 +36,7 @@ def srv(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     write_word_tokenizer(str(path), model.config.vocab_size, chat_markers=True)
     tok = Tokenizer(path)
-    engine = Engine(model, max_num_seqs=2, max_len=MAX_LEN, prefill_chunk=16, tokenizer=tok)
+    engine = Engine(model, max_num_seqs=1, max_len=MAX_LEN, prefill_chunk=16, tokenizer=tok)   # one compile set
     settings = ServerSettings("v4-tiny", api_key=KEY, max_body_bytes=64 << 10)
     with background_server(engine, settings) as (url, server):
         yield SimpleNamespace(url=url, engine=engine, model=model, tok=tok,
@@ -63,7 +63,7 @@ def test_completions_equal_generate(srv, reference):
     assert ch.token_ids == reference[0] and ch.prompt_token_ids == P1
     assert ch.text == tok.decode(reference[0]) and ch.finish_reason == _reason(reference[0], eos)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(P1), len(reference[0]))
-    # a batch of two prompts (token ids and text) shares the engine: one choice each
+    # a batch of two prompts (token ids and text): one choice each
     r = c.completions.create(model="v4-tiny", prompt=[P1, tok.decode(P2, skip_special_tokens=False)], max_tokens=N,
                              temperature=0, extra_body={"return_token_ids": True})
     assert [x.index for x in r.choices] == [0, 1]
@@ -170,7 +170,7 @@ def test_metrics_count_requests_tokens_and_latencies(srv):
                                                                          0) == 1
     assert after['jdeep_requests_total{endpoint="/v1/completions",status="200"}'] - before.get(
         'jdeep_requests_total{endpoint="/v1/completions",status="200"}', 0) == 1
-    assert after["jdeep_slots_total"] == 2 and after["jdeep_slots_used"] == 0
+    assert after["jdeep_slots_total"] == 1 and after["jdeep_slots_used"] == 0
     assert after['jdeep_time_to_first_token_seconds_bucket{le="+Inf"}'] == after["jdeep_time_to_first_token_seconds_count"]
 
 
@@ -188,7 +188,7 @@ def _metrics(srv) -> dict[str, float]:
 def test_graceful_shutdown_finishes_the_stream_in_flight(srv):
     """A second server on the same model: shutting it down mid-stream lets the stream finish, then stops the
     engine thread; a request sent while it drains is turned away."""
-    engine = Engine(srv.model, max_num_seqs=2, max_len=MAX_LEN, prefill_chunk=16, tokenizer=srv.tok)
+    engine = Engine(srv.model, max_num_seqs=1, max_len=MAX_LEN, prefill_chunk=16, tokenizer=srv.tok)
     step = engine.step
     engine.step = lambda: (time.sleep(0.02), step())[1]      # slow steps: the stream is surely still running
     with background_server(engine, ServerSettings("v4-tiny")) as (url, server):

@@ -1,8 +1,8 @@
 """A bounded load test of the HTTP server (one-layer random model: the server's and engine's logic, cheap
-compiles): 64 concurrent streaming requests with random lengths through 16 slots, greedy and seeded sampled
+compiles): 64 concurrent streaming requests with random lengths through 8 slots, greedy and seeded sampled
 ones, 2 clients disconnecting early. Every other request gets exactly the tokens the engine gives it without
-the server; afterwards every slot is back in the pool. Also: a shutdown that outlasts its timeout cancels
-the request in flight and still stops cleanly."""
+the server; afterwards every slot is back in the pool. Also: a shutdown that outlasts its timeout ends the
+request in flight with an error event and still stops cleanly; a failing engine step fails only its requests."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from jdeep.serve.engine import Engine
 from jdeep.serve.loadgen import make_requests, run_load, summarize
 from jdeep.serve.server import ServerSettings, background_server
 
-ENGINE = dict(max_num_seqs=16, max_len=64, prefill_chunk=16)
+ENGINE = dict(max_num_seqs=8, max_len=64, prefill_chunk=16)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_64_concurrent_streams_with_2_disconnects(model):
             time.sleep(0.01)
         assert engine.n_running == 0 and engine.n_waiting == 0 and engine.outputs == {}
         assert engine.slots == [None] * engine.n_slots
-        assert max(engine.steps_per_bucket) == 16                   # the pool was full at times
+        assert max(engine.steps_per_bucket) == 8                    # the pool was full at times
     assert stats["errors"] == 0 and stats["disconnected"] == 2 and stats["completed"] == 62
     # the engine alone, on the same requests (a request's tokens do not depend on its company)
     alone = Engine(model, **ENGINE)
@@ -75,7 +75,7 @@ def test_shutdown_timeout_cancels_the_request_in_flight(model):
         got = list(next(it).choices[0].token_ids)
         t0 = time.perf_counter()
         server.handle_exit(15, None)
-        with pytest.raises(Exception):          # the stream is cut: no finish_reason, no [DONE]
+        with pytest.raises(openai.APIError, match="shutting down"):    # an error event ends the stream
             for chunk in it:
                 got += chunk.choices[0].token_ids
                 assert chunk.choices[0].finish_reason is None
