@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
+import tempfile
 
 import pytest
 
@@ -12,6 +14,24 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # CLI runs inside the tests do not write the user's persistent compilation cache (test_cli checks the cache itself)
 os.environ.setdefault("JDEEP_NO_COMPILE_CACHE", "1")
 GOLDEN_DIR = pathlib.Path(os.environ.get("JDEEP_GOLDEN_DIR", REPO.parent / "shared" / "golden"))
+
+
+def pytest_configure(config):
+    """One persistent JAX compilation cache per test run, shared by the xdist workers: many test files build
+    models of the same shapes (the goldens, the one-layer and tiny random models), and a program one worker
+    compiled is read back by the other instead of compiled again. Removed when the run ends."""
+    if "JDEEP_TEST_COMPILE_CACHE" not in os.environ:
+        os.environ["JDEEP_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jdeep-test-jax-cache-")
+        config._jdeep_compile_cache_owner = True
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["JDEEP_TEST_COMPILE_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_jdeep_compile_cache_owner", False):
+        shutil.rmtree(os.environ.pop("JDEEP_TEST_COMPILE_CACHE"), ignore_errors=True)
 
 
 def golden_path(name: str) -> pathlib.Path:
