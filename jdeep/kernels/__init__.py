@@ -1,8 +1,8 @@
 """Hot ops: one dispatch point choosing the implementation of each op per platform.
 
 The pure-jnp reference of every op lives in `reference.py`; it is the spec and the CPU/GPU path.
-NKI kernels (Neuron) register under the same names and are chosen only when JAX's default backend
-is `neuron`; nothing here imports the Neuron toolchain.
+NKI kernels (kernels/nki, Neuron) register under the same names when `get` is first called with JAX's
+default backend `neuron`; nothing else imports the Neuron toolchain.
 """
 
 from __future__ import annotations
@@ -24,10 +24,25 @@ def register(name: str, platform: str = "reference") -> Callable[[Callable], Cal
     return deco
 
 
+_NEURON_LOADED = False
+
+
+def _backend() -> str:
+    return jax.default_backend()
+
+
 def get(name: str) -> Callable:
-    """The implementation of op `name` for the current backend (falls back to the reference)."""
+    """The implementation of op `name` for the current backend (falls back to the reference). On the neuron
+    platform the NKI kernels (kernels/nki, which import the `nki` package) are registered at the first call."""
+    global _NEURON_LOADED
+    backend = _backend()
+    if backend == "neuron" and not _NEURON_LOADED:
+        from .nki import register_all
+
+        register_all()
+        _NEURON_LOADED = True
     impls = _IMPLS[name]
-    return impls.get(jax.default_backend(), impls["reference"])
+    return impls.get(backend, impls["reference"])
 
 
 def registered() -> dict[str, tuple[str, ...]]:

@@ -41,11 +41,36 @@ def sparse_attention(q: jax.Array, k_shared: jax.Array, mask_shared: jax.Array, 
     return out.astype(q.dtype)
 
 
-def _swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
-    """silu(min(g, limit)) * clamp(u, ±limit), fp32."""
+@register("swiglu")
+def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
+    """silu(min(g, limit)) * clamp(u, ±limit): g, u [..., F] -> fp32 [..., F]."""
     g = jnp.minimum(g.astype(jnp.float32), limit)
     u = jnp.clip(u.astype(jnp.float32), -limit, limit)
     return jax.nn.silu(g) * u
+
+
+_swiglu = swiglu
+
+
+@register("rms_norm")
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """weight ⊙ x / sqrt(mean(x²) + eps) over the last axis, statistics in fp32: x [..., D], weight [D] -> x's dtype."""
+    x32 = x.astype(jnp.float32)
+    r = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * r).astype(x.dtype)
+
+
+@register("fp8_linear")
+def fp8_linear(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple[int, int], trn2: bool = True
+               ) -> jax.Array:
+    """x [..., K] · Wᵀ for fp8 codes W [N, K] with ue8m0 block scales [ceil(N/bn), ceil(K/bk)]: W decoded to x's
+    dtype (exact), fp32 accumulation, result [..., N] in x's dtype."""
+    from .quant import dequant_fp8
+
+    w = dequant_fp8(codes, scale, block, x.dtype, trn2)
+    y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=HIGHEST,
+                            preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
 
 
 def _act(x: jax.Array, numerics, quantized: bool) -> jax.Array:

@@ -29,8 +29,12 @@ def dense(x: jax.Array, w, numerics) -> jax.Array:
         return linear(x, w)
     from ..kernels.quant import fp8_fake_quant
 
+    from .. import kernels
+
     if numerics.quantize_activations:
         x = fp8_fake_quant(x, numerics.act_block, numerics.fp8_max)
+    if "codes" in w:        # the block-fp8 GEMM hot op (jnp reference or NKI kernel)
+        return kernels.get("fp8_linear")(x, w["codes"], w["scale"], numerics.weight_block, numerics.trn2_weights)
     return linear(x, dequant(w, numerics, x.dtype))
 
 

@@ -1,0 +1,287 @@
+"""Emulated `nki.isa`: the instructions jdeep's kernels use, `dst` first, with their documented constraints."""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from . import language as nl
+from .language import NKIError, NkiTensor, _Op
+
+_FLOAT8 = (nl.float8_e4m3, nl.float8_e5m2)
+_MATMUL_DTYPES = (nl.float32, nl.bfloat16, nl.float16) + _FLOAT8
+
+
+class dge_mode(enum.Enum):
+    unknown = 0
+    swdge = 1
+    hwdge = 2
+    none = 3
+
+
+class oob_mode(enum.Enum):
+    error = 0
+    skip = 1
+
+
+class reduce_cmd(enum.Enum):
+    idle = 0
+    reset = 1
+    reduce = 2
+    reset_reduce = 3
+
+
+class matmul_perf_mode(enum.Enum):
+    none = 0
+    double_row = 1
+
+
+def _f32(t: NkiTensor) -> np.ndarray:
+    return t.data.astype(np.float32)
+
+
+def _write(dst: NkiTensor, value: np.ndarray, by_matmul: bool = False) -> None:
+    if not dst.writable:
+        raise NKIError("dst is a broadcast or gathered view: it cannot be written")
+    if dst.dtype.kind in "iub" and value.dtype.kind == "f":
+        value = np.rint(value)         # fp32 -> int: round to nearest even [the hardware's mode is unconfirmed]
+    dst.data[...] = value.astype(dst.dtype) if value.dtype != dst.dtype else value
+    if dst.buffer is nl.psum and not by_matmul:
+        nl.matmul_written(dst)[...] = 0
+
+
+def _same_partitions(dst: NkiTensor, *srcs: NkiTensor, what: str) -> None:
+    for s in srcs:
+        if s.shape[0] != dst.shape[0] or s.data.size != dst.data.size:
+            raise NKIError(f"{what}: {s.shape} and dst {dst.shape} differ in partitions or elements per partition")
+
+
+def _on_chip(what: str, *ts: NkiTensor) -> None:
+    for t in ts:
+        if t.buffer not in (nl.sbuf, nl.psum):
+            raise NKIError(f"{what} reads and writes SBUF/PSUM tiles, got a {t.buffer.name} tensor")
+
+
+def _operand(op: _Op, x, data: NkiTensor, what: str):
+    """A scalar or a [P, 1] tile broadcast along the free dims."""
+    if isinstance(x, NkiTensor):
+        if x.shape[0] != data.shape[0] or int(np.prod(x.shape[1:])) != 1:
+            raise NKIError(f"{what}: a tile operand must be [P, 1] with P = {data.shape[0]}, got {x.shape}")
+        if op.kind != "bitvec" and x.dtype != nl.float32:
+            raise NKIError(f"{what}: an arithmetic operand tile must be float32, got {x.dtype}")
+        v = x.data.reshape((x.shape[0],) + (1,) * (data.ndim - 1))
+        return v.astype(np.float32) if op.kind != "bitvec" else v
+    return np.float32(x) if op.kind != "bitvec" else x
+
+
+def _apply(op: _Op, a, b, reverse: bool = False):
+    a, b = (b, a) if reverse else (a, b)
+    if op.kind == "bitvec":
+        return op.fn(a, b)
+    return np.asarray(op.fn(np.asarray(a, np.float32), np.asarray(b, np.float32)), np.float32)
+
+
+# ---------------------------------------------------------------------- data movement
+def dma_copy(dst: NkiTensor, src: NkiTensor, dge_mode=dge_mode.unknown, oob_mode=oob_mode.error, name=None,
+             **kw) -> None:
+    if "priority" in kw:
+        raise NKIError("dma_copy priority= is NeuronCore-v4 only")
+    if dst.buffer is nl.psum or src.buffer is nl.psum:
+        raise NKIError("DMA cannot read or write PSUM (copy through SBUF with tensor_copy)")
+    if dst.data.size != src.data.size:
+        raise NKIError(f"dma_copy: {src.shape} -> {dst.shape} differ in element count")
+    if dge_mode is globals()["dge_mode"].hwdge and dst.dtype != src.dtype:
+        raise NKIError("hwdge DMA needs matching dtypes")
+    value = src.data.reshape(dst.shape)
+    if dst.dtype != src.dtype:
+        value = value.astype(np.float32)
+    _write(dst, value)
+
+
+def tensor_copy(dst: NkiTensor, src: NkiTensor, engine=None, name=None) -> None:
+    _on_chip("tensor_copy", dst, src)
+    _same_partitions(dst, src, what="tensor_copy")
+    value = src.data.reshape(dst.shape)
+    _write(dst, value if value.dtype == dst.dtype else value.astype(np.float32))
+
+
+def memset(dst: NkiTensor, value, engine=None, name=None) -> None:
+    _on_chip("memset", dst)
+    if dst.dtype.kind in "iu" and not isinstance(value, (int, np.integer)):
+        raise NKIError("memset of an integer tile needs an integer value")
+    _write(dst, np.full(dst.shape, value, dst.dtype))
+
+
+def iota(dst: NkiTensor, pattern, offset: int = 0, channel_multiplier: int = 0, name=None) -> None:
+    if dst.buffer is not nl.sbuf:
+        raise NKIError("iota writes SBUF")
+    p = np.arange(dst.shape[0])[:, None]
+    value = offset + p * channel_multiplier + nl._ramp([s for s, _ in pattern], [n for _, n in pattern])[None, :]
+    _write(dst, value.reshape(dst.shape).astype(np.int32).astype(np.float32) if dst.dtype.kind == "f"
+           else value.reshape(dst.shape))
+
+
+# ---------------------------------------------------------------------- tensor engine
+def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor, is_stationary_onezero=False,
+              is_moving_onezero=False, is_transpose=False, accumulate=None, tile_position=(), tile_size=(),
+              perf_mode=matmul_perf_mode.none, name=None) -> None:
+    """dst[M, N] (PSUM, fp32) = stationary[K, M].T @ moving[K, N] (SBUF); fp32 accumulation."""
+    if stationary.buffer is not nl.sbuf or moving.buffer is not nl.sbuf:
+        raise NKIError("nc_matmul reads its operands from SBUF")
+    if dst.buffer is not nl.psum or dst.dtype != nl.float32:
+        raise NKIError(f"nc_matmul writes a float32 PSUM tile on trn2, got {dst.dtype} in {dst.buffer.name}")
+    for t in (stationary, moving):
+        if t.dtype not in _MATMUL_DTYPES:
+            raise NKIError(f"nc_matmul does not take {t.dtype} on trn2 (float8_e4m3, float8_e5m2, bfloat16, "
+                           "float16, float32)")
+    if (stationary.dtype == nl.float32) != (moving.dtype == nl.float32):
+        raise NKIError("nc_matmul: a float32 operand needs a float32 partner")
+    if stationary.ndim != 2 or moving.ndim != 2:
+        raise NKIError("nc_matmul operands are 2-D [K, M] and [K, N]")
+    K, M = stationary.shape
+    K2, N = moving.shape
+    if K != K2 or K > 128 or M > nl.tile_size.gemm_stationary_fmax or N > nl.tile_size.gemm_moving_fmax:
+        raise NKIError(f"nc_matmul shapes: stationary {stationary.shape}, moving {moving.shape} (K <= 128 on both, "
+                       "stationary free <= 128, moving free <= 512)")
+    if dst.shape != (M, N):
+        raise NKIError(f"nc_matmul dst must be {(M, N)}, got {dst.shape}")
+    prod = (stationary.data.astype(np.float64).T @ moving.data.astype(np.float64)).astype(np.float32)
+    written = nl.matmul_written(dst)
+    acc = written.astype(bool) if accumulate is None else np.full(dst.shape, bool(accumulate))
+    if accumulate and not written.all():
+        raise NKIError("nc_matmul accumulate=True onto PSUM not written by a matmul is undefined on trn2")
+    _write(dst, np.where(acc, dst.data + prod, prod).astype(np.float32), by_matmul=True)
+    written[...] = 1
+
+
+# ---------------------------------------------------------------------- vector / scalar engines
+def activation(dst: NkiTensor, op: _Op, data: NkiTensor, bias=None, scale=1.0, reduce_op=None, reduce_res=None,
+               reduce_cmd=reduce_cmd.idle, name=None) -> None:
+    """dst = op(data * scale + bias), fp32 math; scale: a scalar or [P, 1]; bias: [P, 1] or a scalar."""
+    _on_chip("activation", dst, data)
+    _same_partitions(dst, data, what="activation")
+    if op.kind != "act":
+        raise NKIError(f"activation takes an activation function, got {op}")
+    x = _f32(data)
+    x = x * (_operand(nl.multiply, scale, data, "activation scale") if isinstance(scale, NkiTensor) else np.float32(scale))
+    if bias is not None:
+        x = x + _operand(nl.add, bias, data, "activation bias")
+    y = np.asarray(op.fn(x), np.float32)
+    _write(dst, y.reshape(dst.shape))
+    if reduce_op is not None:
+        if reduce_op is not nl.add or reduce_res is None:
+            raise NKIError("activation reduces with nl.add into a [P, 1] reduce_res")
+        _write(reduce_res, y.reshape(y.shape[0], -1).sum(axis=1, dtype=np.float32).reshape(reduce_res.shape))
+
+
+def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None) -> None:
+    activation(dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd.reset_reduce)
+
+
+def tensor_tensor(dst: NkiTensor, data1: NkiTensor, data2: NkiTensor, op: _Op, engine=None, name=None) -> None:
+    _on_chip("tensor_tensor", dst, data1, data2)
+    _same_partitions(dst, data1, data2, what="tensor_tensor")
+    if data1.buffer is nl.psum and data2.buffer is nl.psum:
+        raise NKIError("tensor_tensor: at most one input may be in PSUM")
+    if op.kind == "act":
+        raise NKIError(f"tensor_tensor takes an ALU op, got {op}")
+    if op.kind == "bitvec" and any(t.dtype.kind not in "iu" for t in (dst, data1, data2)):
+        raise NKIError(f"{op} needs integer tiles")
+    a, b = data1.data.reshape(dst.shape), data2.data.reshape(dst.shape)
+    _write(dst, _apply(op, a, b))
+
+
+def tensor_scalar(dst: NkiTensor, data: NkiTensor, op0: _Op, operand0, reverse0: bool = False, op1: _Op | None = None,
+                  operand1=None, reverse1: bool = False, engine=None, name=None) -> None:
+    """(data op0 operand0) op1 operand1 with scalar or [P, 1] operands."""
+    _on_chip("tensor_scalar", dst, data)
+    _same_partitions(dst, data, what="tensor_scalar")
+    if op1 is not None and (op0.kind == "bitvec") != (op1.kind == "bitvec"):
+        raise NKIError("tensor_scalar: op0 and op1 must be both arithmetic or both bitvec")
+    if op0.kind == "bitvec" and (data.dtype.kind not in "iu" or dst.dtype.kind not in "iu"):
+        raise NKIError(f"{op0} needs integer tiles")
+    x = data.data if op0.kind == "bitvec" else _f32(data)
+    y = _apply(op0, x, _operand(op0, operand0, data, "tensor_scalar operand0"), reverse0)
+    if op1 is not None:
+        y = _apply(op1, y, _operand(op1, operand1, data, "tensor_scalar operand1"), reverse1)
+    _write(dst, np.asarray(y).reshape(dst.shape))
+
+
+def scalar_tensor_tensor(dst: NkiTensor, data: NkiTensor, op0: _Op, operand0, op1: _Op, operand1: NkiTensor,
+                         reverse0: bool = False, reverse1: bool = False, name=None) -> None:
+    """(data op0 operand0) op1 operand1; operand0 a scalar or [P, 1], operand1 a tile like data."""
+    _on_chip("scalar_tensor_tensor", dst, data, operand1)
+    _same_partitions(dst, data, operand1, what="scalar_tensor_tensor")
+    if data.buffer is nl.psum and operand1.buffer is nl.psum:
+        raise NKIError("scalar_tensor_tensor: data and operand1 cannot both be in PSUM")
+    y = _apply(op0, _f32(data), _operand(op0, operand0, data, "scalar_tensor_tensor operand0"), reverse0)
+    y = _apply(op1, y, _f32(operand1).reshape(y.shape), reverse1)
+    _write(dst, y.reshape(dst.shape))
+
+
+def tensor_reduce(dst: NkiTensor, op: _Op, data: NkiTensor, axis, negate: bool = False, keepdims: bool = False,
+                  name=None) -> None:
+    """Reduce the last free axes of data (axis must name them: (ndim-1,), (ndim-2, ndim-1), ...)."""
+    _on_chip("tensor_reduce", dst, data)
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    if 0 in axes or sorted(axes) != list(range(data.ndim - len(axes), data.ndim)):
+        raise NKIError(f"tensor_reduce reduces the last free axes only, got axis={axis} of a {data.ndim}-D tile")
+    ufunc = {"add": np.add, "maximum": np.maximum, "minimum": np.minimum, "multiply": np.multiply}.get(op.name)
+    if ufunc is None:
+        raise NKIError(f"tensor_reduce does not reduce with {op}")
+    y = ufunc.reduce(_f32(data), axis=axes, keepdims=keepdims)
+    if negate:
+        y = -y
+    if y.size != dst.data.size or dst.shape[0] != data.shape[0]:
+        raise NKIError(f"tensor_reduce dst {dst.shape} does not hold the result {y.shape}")
+    _write(dst, y.reshape(dst.shape))
+
+
+def reciprocal(dst: NkiTensor, data: NkiTensor, name=None) -> None:
+    _on_chip("reciprocal", dst, data)
+    _same_partitions(dst, data, what="reciprocal")
+    _write(dst, (np.float32(1) / _f32(data)).reshape(dst.shape))
+
+
+def nc_transpose(dst: NkiTensor, data: NkiTensor, engine=None, name=None) -> None:
+    """[P, F] -> [F, P] through the PE array (SBUF -> PSUM, both <= 128, same dtype)."""
+    if data.buffer is not nl.sbuf or dst.buffer is not nl.psum:
+        raise NKIError("nc_transpose (Tensor Engine) reads SBUF and writes PSUM")
+    if data.ndim != 2 or max(data.shape) > 128 or dst.shape != data.shape[::-1] or dst.dtype != data.dtype:
+        raise NKIError(f"nc_transpose: {data.shape} {data.dtype} -> {dst.shape} {dst.dtype}")
+    _write(dst, data.data.T.copy())
+
+
+# ---------------------------------------------------------------------- top-k primitives
+def max8(dst: NkiTensor, src: NkiTensor, name=None) -> None:
+    """The 8 largest values of each partition, descending: dst [P, 8]."""
+    _on_chip("max8", dst, src)
+    x = _f32(src).reshape(src.shape[0], -1)
+    if not 8 <= x.shape[1] <= 16384 or dst.shape != (src.shape[0], 8):
+        raise NKIError(f"max8: src {src.shape} (8..16384 per partition), dst {dst.shape} must be [P, 8]")
+    _write(dst, -np.sort(-x, axis=1)[:, :8])
+
+
+def nc_find_index8(dst: NkiTensor, data: NkiTensor, vals: NkiTensor, name=None) -> None:
+    """First index of each of the 8 values per partition (uint32 [P, 8])."""
+    _on_chip("nc_find_index8", dst, data, vals)
+    x = _f32(data).reshape(data.shape[0], -1)
+    v = _f32(vals).reshape(vals.shape[0], 8)
+    hits = x[:, None, :] == v[:, :, None]
+    if not hits.any(axis=2).all():
+        raise NKIError("nc_find_index8: a value is absent from its partition (undefined on hardware)")
+    _write(dst, np.argmax(hits, axis=2).astype(np.uint32).reshape(dst.shape))
+
+
+def nc_match_replace8(dst: NkiTensor, data: NkiTensor, vals: NkiTensor, imm: float, dst_idx=None, name=None) -> None:
+    """data with the first occurrence of each of the 8 values per partition replaced by imm."""
+    _on_chip("nc_match_replace8", dst, data, vals)
+    x = _f32(data).reshape(data.shape[0], -1).copy()
+    v = _f32(vals).reshape(vals.shape[0], 8)
+    for p in range(x.shape[0]):
+        for j in range(8):
+            hit = np.flatnonzero(x[p] == v[p, j])
+            if hit.size:
+                x[p, hit[0]] = imm
+    _write(dst, x.reshape(dst.shape))

@@ -1,0 +1,245 @@
+"""Emulated `nki.language`: buffers, dtypes, tile sizes, tensors (numpy views tagged with their buffer), ops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+
+
+class NKIError(Exception):
+    """What neuronx-cc or NKI's own checks would refuse."""
+
+
+@dataclass(frozen=True)
+class _Buffer:
+    name: str
+
+    def __repr__(self) -> str:
+        return f"nl.{self.name}"
+
+
+sbuf, psum, hbm, shared_hbm = _Buffer("sbuf"), _Buffer("psum"), _Buffer("hbm"), _Buffer("shared_hbm")
+private_hbm = hbm
+_ON_CHIP = (sbuf, psum)
+
+float32, float16, bfloat16, tfloat32 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), \
+    np.dtype(np.float32)
+float8_e4m3, float8_e5m2 = np.dtype(ml_dtypes.float8_e4m3), np.dtype(ml_dtypes.float8_e5m2)
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
+int8, int16, int32, uint8, uint16, uint32 = (np.dtype(t) for t in (np.int8, np.int16, np.int32, np.uint8, np.uint16,
+                                                                    np.uint32))
+bool_ = np.dtype(np.bool_)
+
+
+class tile_size:
+    pmax = 128
+    psum_bank_fmax = 512
+    psum_bank_fmax_bytes = 2048
+    psum_num_banks = 8
+    gemm_stationary_fmax = 128
+    gemm_moving_fmax = 512
+
+
+PSUM_PARTITION_BYTES = tile_size.psum_bank_fmax_bytes * tile_size.psum_num_banks
+
+
+class NkiTensor:
+    """A tensor: a numpy view of some storage, with the buffer it lives in. Views share storage."""
+
+    def __init__(self, data: np.ndarray, buffer: _Buffer, name: str = "", writable: bool = True):
+        self.data, self.buffer, self.name, self.writable = data, buffer, name, writable
+        if buffer in _ON_CHIP:
+            if data.ndim < 2:
+                raise NKIError(f"an {buffer.name} tensor needs a partition and a free dim, got shape {data.shape}")
+            if data.shape[0] > tile_size.pmax:
+                raise NKIError(f"{buffer.name} tensor partition dimension {data.shape[0]} exceeds maximum "
+                               f"{tile_size.pmax}")
+
+    shape = property(lambda self: tuple(self.data.shape))
+    dtype = property(lambda self: self.data.dtype)
+    ndim = property(lambda self: self.data.ndim)
+
+    def _view(self, data: np.ndarray, writable: bool | None = None) -> "NkiTensor":
+        return NkiTensor(data, self.buffer, self.name, self.writable if writable is None else writable)
+
+    def __getitem__(self, idx) -> "NkiTensor":
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if self.buffer in _ON_CHIP:
+            if idx and isinstance(idx[0], slice) and idx[0].step not in (None, 1):
+                raise NKIError("the partition dim cannot be strided")
+            if idx and isinstance(idx[0], (int, np.integer)):   # an int on the partition dim keeps it (size 1)
+                idx = (slice(int(idx[0]), int(idx[0]) + 1),) + idx[1:]
+            out = self.data[idx]
+            while out.ndim < 2:
+                out = out[..., None]
+            return self._view(out)
+        return self._view(self.data[idx])
+
+    def slice(self, dim: int, start: int, end: int, step: int = 1) -> "NkiTensor":
+        idx = [slice(None)] * self.ndim
+        idx[dim] = slice(start, end, step)
+        return self[tuple(idx)]
+
+    def view(self, dtype) -> "NkiTensor":
+        """Bit reinterpretation; the last dim rescales by the itemsize ratio."""
+        return self._view(self.data.view(np.dtype(dtype)))
+
+    def reshape(self, shape) -> "NkiTensor":
+        shape = tuple(shape)
+        if int(np.prod(shape)) != self.data.size:
+            raise NKIError(f"reshape {self.shape} -> {shape} changes the element count")
+        if self.buffer in _ON_CHIP and shape[0] != self.shape[0]:
+            raise NKIError("reshape of an on-chip tensor must keep the partition dim")
+        out = self.data.reshape(shape)
+        if not np.shares_memory(out, self.data):
+            raise NKIError("reshape needs contiguous dims")
+        return self._view(out)
+
+    def expand_dim(self, dim: int) -> "NkiTensor":
+        return self._view(np.expand_dims(self.data, dim))
+
+    def broadcast(self, dim: int, size: int) -> "NkiTensor":
+        if self.shape[dim] != 1:
+            raise NKIError(f"broadcast needs a size-1 dim, dim {dim} has {self.shape[dim]}")
+        shape = list(self.shape)
+        shape[dim] = size
+        return self._view(np.broadcast_to(self.data, shape), writable=False)
+
+    def ap(self, pattern, offset: int = 0, vector_offset: "NkiTensor | None" = None, indirect_dim: int = 0
+           ) -> "NkiTensor":
+        """Access pattern [[step, num], ...] (elements, outermost first) over the tensor's storage from `offset`;
+        vector_offset: a [P, 1] index tile choosing the row (dim indirect_dim) per partition (HBM tensors only)."""
+        base = self.data
+        while base.base is not None and isinstance(base.base, np.ndarray):
+            base = base.base
+        flat = base.reshape(-1)
+        steps, nums = [p[0] for p in pattern], [p[1] for p in pattern]
+        if self.buffer in _ON_CHIP and steps[0] != int(np.prod(base.shape[1:])):
+            raise NKIError("an on-chip access pattern's partition step must be the free size (contiguous partitions)")
+        if vector_offset is not None:
+            if self.buffer in _ON_CHIP or indirect_dim != 0:
+                raise NKIError("vector_offset (indirect rows) needs an HBM tensor and indirect_dim=0")
+            rows = vector_offset.data.reshape(-1).astype(np.int64)
+            if rows.shape[0] != nums[0]:
+                raise NKIError(f"vector_offset has {rows.shape[0]} rows for a pattern of {nums[0]}")
+            row = int(np.prod(base.shape[1:]))
+            if (rows < 0).any() or (rows >= base.shape[0]).any():
+                raise NKIError("vector_offset row out of bounds")
+            idx = offset + rows[:, None] * row + _ramp(steps[1:], nums[1:])[None, :]
+            return NkiTensor(flat[idx.reshape([nums[0]] + nums[1:])], self.buffer, self.name, writable=False)
+        idx = offset + _ramp(steps, nums)
+        if idx.size and (idx.min() < 0 or idx.max() >= flat.size):
+            raise NKIError("access pattern out of bounds")
+        strides = tuple(s * flat.itemsize for s in steps)
+        out = np.lib.stride_tricks.as_strided(flat[offset:], shape=tuple(nums), strides=strides)
+        return self._view(out, writable=0 not in steps)
+
+    def __repr__(self) -> str:
+        return f"NkiTensor({self.shape}, {self.dtype}, {self.buffer})"
+
+
+def _ramp(steps, nums) -> np.ndarray:
+    idx = np.zeros((), np.int64)
+    for s, n in zip(steps, nums):
+        idx = idx[..., None] + s * np.arange(n)
+    return idx.reshape(-1) if idx.ndim else idx.reshape(1)
+
+
+def ndarray(shape, dtype, buffer: _Buffer = sbuf, name: str = "") -> NkiTensor:
+    """Uninitialised storage (filled with NaN / a sentinel, as the simulator does)."""
+    if not isinstance(buffer, _Buffer):
+        raise NKIError(f"buffer must be an nl buffer object (nl.sbuf, nl.psum, nl.hbm, nl.shared_hbm), got {buffer!r}")
+    dtype = np.dtype(dtype)
+    shape = tuple(int(s) for s in shape)
+    if buffer is psum and int(np.prod(shape[1:])) * dtype.itemsize > PSUM_PARTITION_BYTES:
+        raise NKIError(f"psum tensor of {shape} {dtype} exceeds the {PSUM_PARTITION_BYTES} bytes of a partition")
+    fill = np.nan if dtype.kind == "f" or dtype in (bfloat16, float8_e4m3, float8_e5m2, float8_e4m3fn) else 4
+    t = NkiTensor(np.full(shape, fill, dtype), buffer, name)
+    if buffer is psum:
+        _MATMUL_WRITTEN[id(t.data)] = (t.data, np.zeros(t.data.size, np.int8))
+    return t
+
+
+def zeros(shape, dtype, buffer: _Buffer = sbuf, name: str = "") -> NkiTensor:
+    t = ndarray(shape, dtype, buffer, name)
+    t.data[...] = 0
+    return t
+
+
+_MATMUL_WRITTEN: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # psum storage -> per-element "a matmul wrote it"
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def matmul_written(t: NkiTensor) -> np.ndarray:
+    """Writable int8 flags aligned with the PSUM view t: 1 where a matmul wrote since the last other write."""
+    root = _root(t.data)
+    _, flags = _MATMUL_WRITTEN[id(root)]
+    item = root.itemsize
+    start = (t.data.__array_interface__["data"][0] - root.__array_interface__["data"][0]) // item
+    return np.lib.stride_tricks.as_strided(flags[start:], shape=t.data.shape,
+                                           strides=tuple(s // item for s in t.data.strides))
+
+
+def ds(start: int, size: int) -> slice:
+    return slice(start, start + size)
+
+
+def affine_range(*args):
+    return range(*args)
+
+
+sequential_range = static_range = affine_range
+
+
+@dataclass(frozen=True)
+class _Op:
+    name: str
+    fn: Callable
+    kind: str          # "arith", "bitvec", "compare" or "act"
+
+    def __repr__(self) -> str:
+        return f"nl.{self.name}"
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+add = _Op("add", np.add, "arith")
+subtract = _Op("subtract", np.subtract, "arith")
+multiply = _Op("multiply", np.multiply, "arith")
+maximum = _Op("maximum", np.maximum, "arith")
+minimum = _Op("minimum", np.minimum, "arith")
+divide = _Op("divide", np.divide, "arith")
+equal = _Op("equal", lambda a, b: (a == b).astype(np.float32), "compare")
+not_equal = _Op("not_equal", lambda a, b: (a != b).astype(np.float32), "compare")
+greater = _Op("greater", lambda a, b: (a > b).astype(np.float32), "compare")
+greater_equal = _Op("greater_equal", lambda a, b: (a >= b).astype(np.float32), "compare")
+less = _Op("less", lambda a, b: (a < b).astype(np.float32), "compare")
+less_equal = _Op("less_equal", lambda a, b: (a <= b).astype(np.float32), "compare")
+bitwise_and = _Op("bitwise_and", np.bitwise_and, "bitvec")
+bitwise_or = _Op("bitwise_or", np.bitwise_or, "bitvec")
+bitwise_xor = _Op("bitwise_xor", np.bitwise_xor, "bitvec")
+left_shift = _Op("left_shift", np.left_shift, "bitvec")
+right_shift = _Op("right_shift", lambda a, b: (a.view(np.uint32 if a.dtype.itemsize == 4 else np.dtype(f"u{a.dtype.itemsize}"))
+                                                >> b).view(a.dtype), "bitvec")       # logical
+copy = _Op("copy", lambda x: x, "act")
+exp = _Op("exp", np.exp, "act")
+silu = _Op("silu", _silu, "act")
+sigmoid = _Op("sigmoid", lambda x: 1 / (1 + np.exp(-x)), "act")
+square = _Op("square", np.square, "act")
+rsqrt = _Op("rsqrt", lambda x: 1 / np.sqrt(x), "act")
+sqrt = _Op("sqrt", np.sqrt, "act")
+reciprocal = _Op("reciprocal", lambda x: 1 / x, "act")
+relu = _Op("relu", lambda x: np.maximum(x, 0), "act")
+tanh = _Op("tanh", np.tanh, "act")
+softplus = _Op("softplus", lambda x: np.logaddexp(0, x), "act")
+abs = _Op("abs", np.abs, "act")  # noqa: A001
