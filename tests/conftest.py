@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -14,6 +15,25 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # CLI runs inside the tests do not write the user's persistent compilation cache (test_cli checks the cache itself)
 os.environ.setdefault("JDEEP_NO_COMPILE_CACHE", "1")
 GOLDEN_DIR = pathlib.Path(os.environ.get("JDEEP_GOLDEN_DIR", REPO.parent / "shared" / "golden"))
+
+
+def _use_nki_emulation() -> None:
+    """NKI kernel tests (tests/kernels/nki_kernels) run under the real `nki.simulate` when the Neuron `nki` package
+    is importable, else under the numpy emulation in tests/nki_emulation, put on sys.path here (jdeep itself
+    imports `nki` only on the neuron backend)."""
+    try:
+        import nki
+        if hasattr(nki, "simulate"):
+            os.environ.setdefault("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+            return
+    except ImportError:
+        pass
+    for name in [m for m in sys.modules if m == "nki" or m.startswith("nki.")]:
+        del sys.modules[name]          # a PyPI placeholder
+    sys.path.insert(0, str(REPO / "tests" / "nki_emulation"))
+
+
+_use_nki_emulation()
 
 
 def pytest_configure(config):
