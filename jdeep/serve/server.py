@@ -111,6 +111,7 @@ class _Choice:
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
+        self.error: str | None = None
 
     def push(self, tokens: list[int], finished: bool) -> str:
         self.tokens += tokens
@@ -126,6 +127,13 @@ class _Choice:
 
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+def _failure(finish_reason: str, error: str | None) -> APIError:
+    """A request the server ended: "abort" (shutting down) -> 503, "error" (the engine failed) -> 500."""
+    if finish_reason == "abort":
+        return APIError(503, "the request was cancelled (the server is shutting down)", type="server_error")
+    return APIError(500, error or "the engine failed while generating", type="server_error")
 
 
 async def _abort_on_disconnect(receive, handles: list[RequestHandle]) -> None:
@@ -224,7 +232,7 @@ class _App:
             async for i, d in self._deltas(handles, queue, index, timer):
                 choices[i].push(d.tokens, d.finished)
                 if d.finished:
-                    choices[i].finish_reason = d.finish_reason
+                    choices[i].finish_reason, choices[i].error = d.finish_reason, d.error
         finally:
             watcher.cancel()
             for h in handles:
@@ -232,9 +240,7 @@ class _App:
         failed = [c for c in choices if c.finish_reason in ("error", "abort")]
         self._done(req, choices, timer)
         if failed:
-            aborted = failed[0].finish_reason == "abort"
-            return _error(APIError(503 if aborted else 500, "the request was cancelled (the server is shutting down)"
-                                   if aborted else "the engine failed while generating", type="server_error"))
+            return _error(_failure(failed[0].finish_reason, failed[0].error))
         u = usage(sum(map(len, req.prompts)), sum(len(c.tokens) for c in choices))
         if req.kind == "completion":
             return JSONResponse(completion_response(req, [c.as_dict() for c in choices], u))
@@ -267,9 +273,7 @@ class _App:
                 if d.finished:
                     c.finish_reason = d.finish_reason
                 if d.finish_reason in ("error", "abort"):
-                    msg = ("the request was cancelled (the server is shutting down)" if d.finish_reason == "abort"
-                           else d.error or "the engine failed while generating")
-                    yield _sse(APIError(503 if d.finish_reason == "abort" else 500, msg, type="server_error").body())
+                    yield _sse(_failure(d.finish_reason, d.error).body())
                     break
                 if not text and not d.finished and not (req.return_token_ids and d.tokens):
                     continue

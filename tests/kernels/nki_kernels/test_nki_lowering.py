@@ -6,6 +6,7 @@ none. (With the real `nki` package this needs its JAX lowering, so it only runs 
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -25,12 +26,12 @@ QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_blo
 
 
 def _lower(model) -> str:
-    jax.clear_caches()                       # no trace of the other dispatch may be reused
-    jmodel.compiled_step.cache_clear()
-    step = model.step_fn(all_logits=False)
+    """The scan-mode step, jitted afresh (its own trace cache: the model's cached step program is not touched)."""
+    step = jax.jit(functools.partial(jmodel.model_step, config=model.config, plan=model.plan, numerics=model.numerics,
+                                     all_logits=False))
     state = model.init_state(1, 256)
     toks, pos = np.zeros((1, 16), np.int32), np.arange(16, dtype=np.int32)[None]
-    return step.lower(model.params, state, toks, pos, None).as_text()
+    return step.lower(model.params, state, toks, pos).as_text()
 
 
 def test_neuron_dispatch_lowers_norms_and_fp8_gemms_to_nki_custom_calls(tmp_path, monkeypatch):
@@ -38,18 +39,13 @@ def test_neuron_dispatch_lowers_norms_and_fp8_gemms_to_nki_custom_calls(tmp_path
                       str(tmp_path), seed=2)
     model = jdeep.load(tmp_path, dtype="bfloat16", fp8_max=240.0, compile_mode="scan")
     assert model.numerics.trn2_weights
-    cpu = _lower(model)
-    assert nki.CUSTOM_CALL_TARGET not in cpu
-
     nki_kernels.register_all()
     monkeypatch.setattr(kernels, "_backend", lambda: "neuron")
     nki.RECORDED.clear()
-    try:
-        neuron = _lower(model)
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()                   # later tests must not reuse these traces
-        jmodel.compiled_step.cache_clear()
+    neuron = _lower(model)
+    monkeypatch.undo()
+    cpu = _lower(model)                      # after it: no neuron trace leaks into later programs
+    assert nki.CUSTOM_CALL_TARGET not in cpu and "custom_call" not in cpu
     calls = re.findall(r'custom_call @AwsNeuronCustomNativeKernel\(([^)]*)\)', neuron)
     names = [r["kernel"] for r in nki.RECORDED]
     assert len(calls) == len(names) > 0
