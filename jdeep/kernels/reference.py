@@ -52,6 +52,26 @@ def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
 _swiglu = swiglu
 
 
+@register("hc_split_sinkhorn")
+def hc_split_sinkhorn(mu: jax.Array, scale: jax.Array, base: jax.Array, *, n: int, hc_eps: float,
+                      sinkhorn_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Mixes mu [..., (2+n)n] -> pre [..., n], post [..., n], comb [..., n, n] (fp32): sigmoid gates and
+    the Sinkhorn-normalised combination matrix (softmax rows, then alternating column/row sums)."""
+    pre = jax.nn.sigmoid(scale[0] * mu[..., :n] + base[:n]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(scale[1] * mu[..., n:2 * n] + base[n:2 * n])
+    c = (scale[2] * mu[..., 2 * n:] + base[2 * n:]).reshape(mu.shape[:-1] + (n, n))
+    c = jax.nn.softmax(c, axis=-1) + hc_eps
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+
+    def row_col(_, c):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+
+    # a loop with a static trip count keeps the program small (compile time); same arithmetic
+    c = jax.lax.fori_loop(0, sinkhorn_iters - 1, row_col, c)
+    return pre, post, c
+
+
 @register("rms_norm")
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """weight ⊙ x / sqrt(mean(x²) + eps) over the last axis, statistics in fp32: x [..., D], weight [D] -> x's dtype."""

@@ -24,21 +24,11 @@ def hc_mixes(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, 
 
 def hc_split_sinkhorn(mu: jax.Array, scale: jax.Array, base: jax.Array, *, n: int, hc_eps: float,
                       sinkhorn_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Mixes mu [..., (2+n)n] -> pre [..., n], post [..., n], comb [..., n, n] (fp32): sigmoid gates and
-    the Sinkhorn-normalised combination matrix (softmax rows, then alternating column/row sums)."""
-    pre = jax.nn.sigmoid(scale[0] * mu[..., :n] + base[:n]) + hc_eps
-    post = 2.0 * jax.nn.sigmoid(scale[1] * mu[..., n:2 * n] + base[n:2 * n])
-    c = (scale[2] * mu[..., 2 * n:] + base[2 * n:]).reshape(mu.shape[:-1] + (n, n))
-    c = jax.nn.softmax(c, axis=-1) + hc_eps
-    c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+    """Mixes mu [..., (2+n)n] -> pre [..., n], post [..., n], comb [..., n, n] (fp32): the `hc_split_sinkhorn` hot
+    op (kernels/reference.py; an NKI kernel on Neuron)."""
+    from .. import kernels
 
-    def row_col(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
-
-    # a loop with a static trip count keeps the program small (compile time); same arithmetic
-    c = jax.lax.fori_loop(0, sinkhorn_iters - 1, row_col, c)
-    return pre, post, c
+    return kernels.get("hc_split_sinkhorn")(mu, scale, base, n=n, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
 
 
 def hc_collapse(X: jax.Array, pre: jax.Array) -> jax.Array:

@@ -17,6 +17,7 @@ KERNELS: dict[str, tuple[str, str, str]] = {
     "rms_norm": ("norm", "rms_norm", "rmsnorm_kernel"),
     "swiglu": ("swiglu", "swiglu", "swiglu_kernel"),
     "fp8_linear": ("gemm", "fp8_linear", "fp8_linear_kernel"),
+    "hc_split_sinkhorn": ("mhc", "hc_split_sinkhorn", "hc_sinkhorn_kernel"),
 }
 
 

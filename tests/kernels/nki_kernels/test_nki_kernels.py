@@ -17,7 +17,7 @@ import pytest
 
 import nki
 from jdeep.kernels import reference
-from jdeep.kernels.nki import gemm, norm, swiglu
+from jdeep.kernels.nki import gemm, mhc, norm, swiglu
 
 BF16 = ml_dtypes.bfloat16
 
@@ -83,3 +83,22 @@ def test_fp8_linear(T, N, K, block, dtype):
         assert (np.abs(got - want) <= 2 * gamma).all()
     else:
         _close_bf16(got, want, slack=2 * gamma)
+
+
+@pytest.mark.parametrize("T", [3, 130])                # decode; a full and a partial token tile
+def test_hc_split_sinkhorn(T):
+    n, eps, iters = 4, 1e-6, 20                       # the released models' hc_mult, hc_eps, hc_sinkhorn_iters
+    rng = np.random.default_rng(T)
+    mu = (rng.normal(size=(T, (2 + n) * n)) * 2).astype(np.float32)
+    scale = rng.uniform(0.5, 1.5, size=3).astype(np.float32)
+    base = rng.normal(size=(2 + n) * n).astype(np.float32)
+    got = nki.simulate(mhc.hc_sinkhorn_kernel)(mu, scale, base, n, eps, iters)
+    want = reference.hc_split_sinkhorn(jnp.asarray(mu), jnp.asarray(scale), jnp.asarray(base), n=n, hc_eps=eps,
+                                       sinkhorn_iters=iters)
+    for g, w in zip(got, want):
+        w = np.asarray(w).reshape(g.shape)
+        assert g.dtype == w.dtype == np.float32
+        # the kernel multiplies by reciprocals where the twin divides: 1-2 ulps per step, over 20 iterations
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-7)
+    comb = got[2].reshape(T, n, n)
+    np.testing.assert_allclose(comb.sum(axis=1), 1, atol=1e-4)         # doubly stochastic (columns last)
