@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,26 @@ def sparse_attention(q: jax.Array, k_shared: jax.Array, mask_shared: jax.Array, 
     return out.astype(q.dtype)
 
 
+# ---------------------------------------------------------------- lightning indexer: scores, top-k
+@register("index_scores")
+def index_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, visible_count: jax.Array) -> jax.Array:
+    """Indexer scores (model-spec.md §4.4.5, §5.5): score[b, s, t] = Σ_h w[b, s, h] · relu(q[b, s, h] · keys[b, t])
+    in fp32, -inf where t >= visible_count[b, s]. q [B, S, nI, DI], keys [B, T, DI] (activation dtype),
+    weights fp32 [B, S, nI] (already scaled), visible_count int32 [B, S] -> fp32 [B, S, T]."""
+    s = jnp.einsum("bshd,btd->bsht", q, keys, precision=HIGHEST, preferred_element_type=jnp.float32)
+    score = jnp.einsum("bsht,bsh->bst", jax.nn.relu(s), weights, precision=HIGHEST)
+    entry = jnp.arange(keys.shape[1], dtype=jnp.int32)
+    return jnp.where(entry[None, None, :] < visible_count[..., None], score, -jnp.inf)
+
+
+@register("topk")
+def topk(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k largest entries of each row: x [..., T], k <= T (a Python int) -> (values [..., k] descending,
+    indices int32 [..., k]); ties to the lower index, -inf entries last in ascending index order (lax.top_k)."""
+    values, indices = jax.lax.top_k(x, k)
+    return values, indices
+
+
 @register("swiglu")
 def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
     """silu(min(g, limit)) * clamp(u, ±limit): g, u [..., F] -> fp32 [..., F]."""
@@ -72,6 +93,40 @@ def hc_split_sinkhorn(mu: jax.Array, scale: jax.Array, base: jax.Array, *, n: in
     return pre, post, c
 
 
+# ---------------------------------------------------------------- mHC collapse / expand / mix logits, pooling
+@register("hc_mix_logits")
+def hc_mix_logits(X: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
+    """The mHC mix logits (model-spec.md §4.2, §4.6): flat = X [..., n, d] as fp32 [..., n·d];
+    mu = (flat · fnᵀ) · rsqrt(mean(flat²) + norm_eps) with fn [W, n·d] fp32 (W = (2+n)n, or n for the head)
+    -> fp32 [..., W]."""
+    flat = X.reshape(X.shape[:-2] + (-1,)).astype(jnp.float32)
+    logits = jax.lax.dot_general(flat, fn.astype(jnp.float32), (((flat.ndim - 1,), (1,)), ((), ())),
+                                 precision=HIGHEST)
+    return logits * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+
+
+@register("hc_collapse")
+def hc_collapse(X: jax.Array, pre: jax.Array) -> jax.Array:
+    """The mHC pre-mix: Σ_i pre_i X_i in fp32, cast to X's dtype: X [..., n, d], pre fp32 [..., n] -> [..., d]."""
+    return jnp.sum(pre[..., None] * X.astype(jnp.float32), axis=-2).astype(X.dtype)
+
+
+@register("hc_expand")
+def hc_expand(y: jax.Array, post: jax.Array, comb: jax.Array, X: jax.Array) -> jax.Array:
+    """The mHC post-mix: X'_k = post_k · y + Σ_j comb[j, k] · X_j in fp32 -> [..., n, d] in X's dtype.
+    y [..., d], post fp32 [..., n], comb fp32 [..., n, n], X [..., n, d]."""
+    mixed = jnp.einsum("...jk,...jd->...kd", comb, X.astype(jnp.float32), precision=HIGHEST)
+    return (post[..., None] * y.astype(jnp.float32)[..., None, :] + mixed).astype(X.dtype)
+
+
+@register("softmax_pool")
+def softmax_pool(score: jax.Array, kv: jax.Array) -> jax.Array:
+    """The compressor's softmax-gated pooling (model-spec.md §4.4.4, §5.4): score, kv fp32 [..., m, C] ->
+    Σ_m softmax_m(score) · kv, fp32 [..., C] (softmax over the m slots, per channel). Slots with score -inf
+    weigh 0; a channel whose m scores are all -inf gives NaN."""
+    return jnp.sum(jax.nn.softmax(score, axis=-2) * kv, axis=-2)
+
+
 @register("rms_norm")
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """weight ⊙ x / sqrt(mean(x²) + eps) over the last axis, statistics in fp32: x [..., D], weight [D] -> x's dtype."""
@@ -93,6 +148,7 @@ def fp8_linear(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple[in
     return y.astype(x.dtype)
 
 
+# ---------------------------------------------------------------- MoE: routed experts, shared expert
 def _act(x: jax.Array, numerics, quantized: bool) -> jax.Array:
     """The GEMM input as DeepSeek's numerics see it: fp8 act_quant before a quantized weight."""
     from .quant import fp8_fake_quant
@@ -123,6 +179,74 @@ def _expert(a: jax.Array, layer: jax.Array, e: jax.Array) -> jax.Array:
     return jax.lax.dynamic_slice(a, start, (1, 1) + a.shape[2:])[0, 0]
 
 
+def expert_gate_up(x: jax.Array, W1: jax.Array, W3: jax.Array, limit: float, weight=None) -> jax.Array:
+    """An expert's first half on its rows: swiglu(x W1ᵀ, x W3ᵀ) (· weight, broadcast against [..., I]) in fp32.
+    x [..., d], W1, W3 [I, d] (decoded) -> fp32 [..., I]: the `a` before its cast and act-quant."""
+    h1 = jnp.einsum("...d,id->...i", x, W1, precision=HIGHEST, preferred_element_type=jnp.float32)
+    h3 = jnp.einsum("...d,id->...i", x, W3, precision=HIGHEST, preferred_element_type=jnp.float32)
+    a = _swiglu(h1, h3, limit)
+    return a if weight is None else a * weight
+
+
+def expert_down(a: jax.Array, W2: jax.Array) -> jax.Array:
+    """An expert's second half: a [..., I] (cast and act-quantised) · W2ᵀ, W2 [d, I] -> fp32 [..., d]."""
+    return jnp.einsum("...i,di->...d", a, W2, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+class ExpertGroups(NamedTuple):
+    """The (token, slot) rows of a routing sorted by expert, each expert's group padded to whole tiles.
+    order [N]: sorted row -> flat (token, slot) row; dest [N]: sorted row -> padded slot; src [n_tiles·tile]:
+    padded slot -> flat row (N for a padding slot); tile_expert int32 [n_tiles]: the one expert of each tile."""
+    tile: int
+    n_tiles: int
+    order: jax.Array
+    dest: jax.Array
+    src: jax.Array
+    tile_expert: jax.Array
+
+
+def expert_groups(idx: jax.Array, n_experts: int) -> ExpertGroups:
+    """Group the T·k rows of idx [T, k] by expert in tiles of 8..128 rows (about twice the mean group), with a
+    static tile count enough for any routing (T·k/tile + E). Ids outside [0, E) count as expert E-1 (S12)."""
+    T, k = idx.shape
+    N, E = T * k, n_experts
+    tile = int(min(128, max(8, 1 << max(0, N // E - 1).bit_length())))
+    n_tiles = -(-(N + E * (tile - 1)) // tile)
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                               # sorted row -> (token, slot) row
+    expert_of = jnp.clip(flat[order], 0, E - 1)                          # [N], ascending (clamped: S12)
+    sizes = jnp.sum(jax.nn.one_hot(flat, E, dtype=jnp.int32), axis=0)    # [E]
+    padded = (sizes + tile - 1) // tile * tile
+    ends = jnp.cumsum(padded)
+    starts = jnp.cumsum(sizes) - sizes
+    dest = (ends - padded)[expert_of] + jnp.arange(N, dtype=jnp.int32) - starts[expert_of]   # [N] padded slot
+    dest = jnp.clip(dest, 0, n_tiles * tile - 1)
+    src = jnp.full((n_tiles * tile,), N, jnp.int32).at[dest].set(jnp.arange(N, dtype=jnp.int32))
+    tile_expert = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(n_tiles) * tile)[:, None], axis=1), E - 1)
+    return ExpertGroups(tile, n_tiles, order, dest, src, tile_expert)
+
+
+def group_rows(xa: jax.Array, weight: jax.Array, g: ExpertGroups) -> tuple[jax.Array, jax.Array]:
+    """The grouped rows: xa [T, d] (act-quantised), weight [T, k] -> rows [n_tiles·tile, d] (padding rows 0) and
+    their routing weights [n_tiles·tile] (padding 0)."""
+    k = weight.shape[1]
+    rows = jnp.concatenate([xa[g.order // k], jnp.zeros((1, xa.shape[1]), xa.dtype)])[g.src]
+    wts = jnp.concatenate([weight.reshape(-1)[g.order], jnp.zeros((1,), weight.dtype)])[g.src]
+    return rows, wts
+
+
+def ungroup_rows(y: jax.Array, g: ExpertGroups, T: int, k: int) -> jax.Array:
+    """Per-row outputs y [n_tiles·tile, d] (fp32) back to the tokens: the sum over each token's k slots [T, d]."""
+    y = y[g.dest]                                                        # sorted rows
+    y = jnp.zeros_like(y).at[g.order].set(y)                             # back to (token, slot) rows
+    return jnp.sum(y.reshape(T, k, -1), axis=1)
+
+
+def dense_weight(idx: jax.Array, weight: jax.Array, e) -> jax.Array:
+    """Each token's routing weight for expert e (0 where not routed there): idx, weight [T, k] -> fp32 [T]."""
+    return jnp.sum(jnp.where(idx == e, weight, 0.0), axis=-1)
+
+
 @register("moe_experts_gather")
 def moe_experts_gather(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w3, layer: jax.Array,
                        limit: float, numerics=None) -> jax.Array:
@@ -145,11 +269,8 @@ def moe_experts_gather(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, 
             return _expert(a, layer, experts[i])
 
         W1, W3, W2 = (_weights(w, pick, numerics, x.dtype) for w in (w1, w3, w2))   # [I, d], [I, d], [d, I]
-        xi = rows[i][None]
-        h1 = jnp.einsum("td,id->ti", xi, W1, precision=HIGHEST, preferred_element_type=jnp.float32)
-        h3 = jnp.einsum("td,id->ti", xi, W3, precision=HIGHEST, preferred_element_type=jnp.float32)
-        a = _act((_swiglu(h1, h3, limit) * wts[i]).astype(x.dtype), numerics, q)
-        return None, jnp.einsum("ti,di->td", a, W2, precision=HIGHEST, preferred_element_type=jnp.float32)[0]
+        a = _act(expert_gate_up(rows[i][None], W1, W3, limit, wts[i]).astype(x.dtype), numerics, q)
+        return None, expert_down(a, W2)[0]
 
     _, y = jax.lax.scan(pair, None, jnp.arange(T * k))                 # [T*k, d] fp32
     return jnp.sum(y.reshape(T, k, -1), axis=1)
@@ -161,35 +282,17 @@ def moe_experts_grouped(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2,
     """Routed experts as a tiled grouped matmul over rows sorted by expert (large token counts: prefill).
 
     Same contract as `moe_experts_gather`. The T*k (token, expert) rows are sorted by expert and each
-    expert's group is padded to a multiple of a tile; a scan over the tiles (a static count, enough for any
-    routing: T*k/tile + E) applies the one expert each tile belongs to, sliced out of the stack. Work is at
-    most ~2x the routed rows, whatever the routing (XLA:CPU lowers `ragged_dot` to one full-size matmul per
-    expert, E times the work).
+    expert's group is padded to a multiple of a tile (`expert_groups`); a scan over the tiles (a static count,
+    enough for any routing: T*k/tile + E) applies the one expert each tile belongs to, sliced out of the stack.
+    Work is at most ~2x the routed rows, whatever the routing (XLA:CPU lowers `ragged_dot` to one full-size
+    matmul per expert, E times the work).
     """
     T, k = idx.shape
-    N = T * k
-    E = stacked_experts(w1)
-    tile = int(min(128, max(8, 1 << max(0, N // E - 1).bit_length())))
-    n_tiles = -(-(N + E * (tile - 1)) // tile)
     q = isinstance(w1, dict)
-
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)                               # sorted row -> (token, slot) row
-    expert_of = jnp.clip(flat[order], 0, E - 1)                          # [N], ascending (clamped: S12)
-    sizes = jnp.sum(jax.nn.one_hot(flat, E, dtype=jnp.int32), axis=0)    # [E]
-    padded = (sizes + tile - 1) // tile * tile
-    ends = jnp.cumsum(padded)
-    starts = jnp.cumsum(sizes) - sizes
-    dest = (ends - padded)[expert_of] + jnp.arange(N, dtype=jnp.int32) - starts[expert_of]   # [N] padded slot
-    dest = jnp.clip(dest, 0, n_tiles * tile - 1)
-    src = jnp.full((n_tiles * tile,), N, jnp.int32).at[dest].set(jnp.arange(N, dtype=jnp.int32))
-    tile_expert = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(n_tiles) * tile)[:, None], axis=1), E - 1)
-
-    xa = _act(x, numerics, q)
-    rows = jnp.concatenate([xa[order // k], jnp.zeros((1, x.shape[1]), xa.dtype)])[src]   # [P, d], pad rows 0
-    wts = jnp.concatenate([weight.reshape(-1)[order], jnp.zeros((1,), weight.dtype)])[src]
-    rows = rows.reshape(n_tiles, tile, -1)
-    wts = wts.reshape(n_tiles, tile)
+    g = expert_groups(idx, stacked_experts(w1))
+    rows, wts = group_rows(_act(x, numerics, q), weight, g)
+    rows = rows.reshape(g.n_tiles, g.tile, -1)
+    wts = wts.reshape(g.n_tiles, g.tile)
 
     def one_tile(_, t):
         xt, wt, e = t
@@ -198,15 +301,11 @@ def moe_experts_grouped(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2,
             return _expert(a, layer, e)
 
         W1, W3, W2 = (_weights(w, pick, numerics, x.dtype) for w in (w1, w3, w2))   # [I, d], [I, d], [d, I]
-        h1 = jnp.einsum("td,id->ti", xt, W1, precision=HIGHEST, preferred_element_type=jnp.float32)
-        h3 = jnp.einsum("td,id->ti", xt, W3, precision=HIGHEST, preferred_element_type=jnp.float32)
-        a = _act((_swiglu(h1, h3, limit) * wt[:, None]).astype(x.dtype), numerics, q)
-        return None, jnp.einsum("ti,di->td", a, W2, precision=HIGHEST, preferred_element_type=jnp.float32)
+        a = _act(expert_gate_up(xt, W1, W3, limit, wt[:, None]).astype(x.dtype), numerics, q)
+        return None, expert_down(a, W2)
 
-    _, y = jax.lax.scan(one_tile, None, (rows, wts, tile_expert))        # [n_tiles, tile, d] fp32
-    y = y.reshape(n_tiles * tile, -1)[dest]                              # sorted rows
-    y = jnp.zeros_like(y).at[order].set(y)                               # back to (token, slot) rows
-    return jnp.sum(y.reshape(T, k, -1), axis=1)
+    _, y = jax.lax.scan(one_tile, None, (rows, wts, g.tile_expert))      # [n_tiles, tile, d] fp32
+    return ungroup_rows(y.reshape(g.n_tiles * g.tile, -1), g, T, k)
 
 
 @register("moe_experts_dense")
@@ -230,11 +329,9 @@ def moe_experts_dense(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w
             return _expert(a, layer, e)
 
         W1, W3, W2 = (_weights(w, pick, numerics, x.dtype) for w in (w1, w3, w2))   # [I, d], [I, d], [d, I]
-        w_e = jnp.sum(jnp.where(idx == e, weight, 0.0), axis=-1)                  # [T] fp32
-        h1 = jnp.einsum("td,id->ti", xa, W1, precision=HIGHEST, preferred_element_type=jnp.float32)
-        h3 = jnp.einsum("td,id->ti", xa, W3, precision=HIGHEST, preferred_element_type=jnp.float32)
-        a = _act((_swiglu(h1, h3, limit) * w_e[:, None]).astype(x.dtype), numerics, q)
-        return acc + jnp.einsum("ti,di->td", a, W2, precision=HIGHEST, preferred_element_type=jnp.float32), None
+        a = _act(expert_gate_up(xa, W1, W3, limit, dense_weight(idx, weight, e)[:, None]).astype(x.dtype),
+                 numerics, q)
+        return acc + expert_down(a, W2), None
 
     y, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, jnp.float32), jnp.arange(E))
     return y
@@ -245,8 +342,6 @@ def shared_expert(x: jax.Array, w1, w2, w3, limit: float, numerics=None) -> jax.
     """The always-on SwiGLU expert: x [..., d] -> fp32 [..., d] (float or quantized weights)."""
     W1, W3, W2 = (_weights(w, lambda a: a, numerics, x.dtype) for w in (w1, w3, w2))
     xa = _act(x, numerics, isinstance(w1, dict))
-    h1 = jnp.einsum("...d,id->...i", xa, W1, precision=HIGHEST, preferred_element_type=jnp.float32)
-    h3 = jnp.einsum("...d,id->...i", xa, W3, precision=HIGHEST, preferred_element_type=jnp.float32)
-    a = _swiglu(h1, h3, limit).astype(x.dtype)
+    a = expert_gate_up(xa, W1, W3, limit).astype(x.dtype)
     a = _act(a, numerics, isinstance(w2, dict))
-    return jnp.einsum("...i,di->...d", a, W2, precision=HIGHEST, preferred_element_type=jnp.float32)
+    return expert_down(a, W2)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import kernels
 from .chunk import Chunk
 from .linear import linear_f32
 from .norm import rms_norm
@@ -59,7 +60,7 @@ def pool_chunk(a: jax.Array, z: jax.Array, buf_kv: jax.Array, buf_score: jax.Arr
         sc = jnp.concatenate([_take(ext_sc, cur - m)[..., :dc], _take(ext_sc, cur)[..., dc:]], axis=2)
     else:
         kv, sc = _take(ext_kv, cur), _take(ext_sc, cur)
-    pooled = jnp.sum(jax.nn.softmax(sc, axis=2) * kv, axis=2)     # [B, G, Dc] fp32
+    pooled = kernels.get("softmax_pool")(sc, kv)                  # [B, G, Dc] fp32 (the softmax_pool hot op)
 
     # Keep the projections of the last Rc real tokens; everything else lands in the scratch slot.
     end = (chunk.pos0 + chunk.n_valid)[:, None]

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import kernels
 from ..config import ModelConfig
 from .chunk import Chunk
 from .compressor import compress_chunk
@@ -15,8 +16,6 @@ from .linear import dense, linear_f32
 from .rope import apply_rope
 
 __all__ = ["index_select"]
-
-HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def index_select(x: jax.Array, q_latent: jax.Array, p: dict, st: dict, layer: jax.Array, chunk: Chunk, *,
@@ -45,12 +44,9 @@ def index_select(x: jax.Array, q_latent: jax.Array, p: dict, st: dict, layer: ja
         q = qat(q)
     w = linear_f32(x, p["weights_proj"]) * (DI ** -0.5 * nI ** -0.5)        # [B, S, nI]
     keys = ikeys[layer]                                                      # [B, Tc+1, DI]
-    s = jnp.einsum("bshd,btd->bsht", q, keys, precision=HIGHEST, preferred_element_type=jnp.float32)
-    score = jnp.einsum("bsht,bsh->bst", jax.nn.relu(s), w, precision=HIGHEST)
     visible_count = (chunk.positions + 1) // ratio                           # [B, S]
-    entry = jnp.arange(keys.shape[1], dtype=jnp.int32)
-    score = jnp.where(entry[None, None, :] < visible_count[..., None], score, -jnp.inf)
+    score = kernels.get("index_scores")(q, keys, w, visible_count)           # [B, S, Tc+1], -inf past the count
     k = min(config.index_topk, keys.shape[1])
-    _, idx = jax.lax.top_k(score, k)
+    _, idx = kernels.get("topk")(score, k)
     selected = idx < visible_count[..., None]
     return idx.astype(jnp.int32), selected, st

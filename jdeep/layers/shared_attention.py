@@ -34,8 +34,6 @@ from .rope import apply_rope
 __all__ = ["Published", "empty_published", "shared_attention", "compress_source", "candidate_blocks",
            "candidate_mask"]
 
-HIGHEST = jax.lax.Precision.HIGHEST
-
 
 class Published(NamedTuple):
     """Per-forward values one layer hands to the next ones.
@@ -108,7 +106,7 @@ def candidate_blocks(score: jax.Array, visible_count: jax.Array, *, block: int, 
     pooled = jnp.max(padded.reshape(B, S, nb, block), axis=-1)
     newest = jnp.where(visible_count > 0, (visible_count - 1) // block, -1)
     pooled = jnp.where(jnp.arange(nb, dtype=jnp.int32) == newest[..., None], jnp.inf, pooled)
-    vals, bidx = jax.lax.top_k(pooled, min(top_blocks, nb))
+    vals, bidx = kernels.get("topk")(pooled, min(top_blocks, nb))
     kept = vals > -jnp.inf
     pad = top_blocks - bidx.shape[-1]
     return (jnp.pad(bidx.astype(jnp.int32), ((0, 0), (0, 0), (0, pad))),
@@ -135,11 +133,9 @@ def _index_select(x: jax.Array, q_latent: jax.Array, p: dict, keys: jax.Array, c
     if numerics.quantize_activations:
         q = fp4_fake_quant(q, numerics.fp4_block)
     w = linear_f32(x, p["weights_proj"]) * (DI ** -0.5 * nI ** -0.5)        # [B, S, nI]
-    s = jnp.einsum("bshd,btd->bsht", q, keys, precision=HIGHEST, preferred_element_type=jnp.float32)
-    score = jnp.einsum("bsht,bsh->bst", jax.nn.relu(s), w, precision=HIGHEST)
     visible_count = (chunk.positions + 1) // ratio                            # [B, S]
     T = keys.shape[1]
-    score = jnp.where(jnp.arange(T, dtype=jnp.int32) < visible_count[..., None], score, -jnp.inf)
+    score = kernels.get("index_scores")(q, keys, w, visible_count)            # [B, S, T], -inf past the count
     sh = config.sharing
     blocks, kept = published.blocks, published.blocks_kept
     if role == CANDIDATE:
@@ -147,11 +143,12 @@ def _index_select(x: jax.Array, q_latent: jax.Array, p: dict, keys: jax.Array, c
                                         top_blocks=sh.candidate_topk_blocks)
     elif role == RESTRICTED:
         score = jnp.where(candidate_mask(blocks, kept, T, sh.candidate_block_size), score, -jnp.inf)
-    vals, idx = jax.lax.top_k(score, min(K, T))
+    topk = kernels.get("topk")
+    vals, idx = topk(score, min(K, T))
     selected = vals > -jnp.inf
     # DeepSeek re-sorts the selection ascending (summation order in the attention); a float top-k of -idx
     # does it without a sort op (exact: entry ids < 2^24)
-    _, order = jax.lax.top_k(jnp.where(selected, -idx.astype(jnp.float32), -jnp.inf), idx.shape[-1])
+    _, order = topk(jnp.where(selected, -idx.astype(jnp.float32), -jnp.inf), idx.shape[-1])
     idx = jnp.take_along_axis(idx, order, axis=-1).astype(jnp.int32)
     selected = jnp.take_along_axis(selected, order, axis=-1)
     if K > T:

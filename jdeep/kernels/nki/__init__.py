@@ -18,6 +18,18 @@ KERNELS: dict[str, tuple[str, str, str]] = {
     "swiglu": ("swiglu", "swiglu", "swiglu_kernel"),
     "fp8_linear": ("gemm", "fp8_linear", "fp8_linear_kernel"),
     "hc_split_sinkhorn": ("mhc", "hc_split_sinkhorn", "hc_sinkhorn_kernel"),
+    "sparse_attention": ("attention", "sparse_attention", "sparse_attention_kernel"),
+    "index_scores": ("indexer", "index_scores", "index_scores_kernel"),
+    "topk": ("topk", "topk", "topk_kernel"),
+    "hc_mix_logits": ("mhc", "hc_mix_logits", "hc_mix_logits_kernel"),
+    "hc_collapse": ("mhc", "hc_collapse", "hc_collapse_kernel"),
+    "hc_expand": ("mhc", "hc_expand", "hc_expand_kernel"),
+    "softmax_pool": ("pool", "softmax_pool", "softmax_pool_kernel"),
+    # the MoE ops run two kernels each: expert_gate_up_kernel, then expert_down_kernel
+    "moe_experts_gather": ("moe", "moe_experts_gather", "expert_gate_up_kernel"),
+    "moe_experts_grouped": ("moe", "moe_experts_grouped", "expert_gate_up_kernel"),
+    "moe_experts_dense": ("moe", "moe_experts_dense", "expert_gate_up_kernel"),
+    "shared_expert": ("moe", "shared_expert", "expert_gate_up_kernel"),
 }
 
 

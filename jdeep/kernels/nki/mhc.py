@@ -1,10 +1,33 @@
-"""mHC mixes as an NKI kernel (twin: kernels/reference.py `hc_split_sinkhorn`): sigmoid gates and the
-Sinkhorn-normalised n x n combination matrix per token.
+"""mHC (model-spec.md §4.2, §4.6, §5.2) as NKI kernels; twins in kernels/reference.py under the same op names.
 
-Tokens on partitions (128 per tile), the (2+n)·n mixes on the free axis (24 fp32 for n = 4): every step is a
+`hc_split_sinkhorn` (hc_sinkhorn_kernel): sigmoid gates and the Sinkhorn-normalised n x n combination matrix per
+token. Tokens on partitions (128 per tile), the (2+n)·n mixes on the free axis (24 fp32 for n = 4): every step is a
 small Vector/Scalar Engine op over [P, n, n] (row sums with tensor_reduce over the last axis, column sums as n - 1
 adds of row slices, reciprocals, broadcast multiplies), the Sinkhorn iterations unrolled at trace time
-(~10 instructions each). Traffic: T·(2+n)·n·4 bytes in, T·(2n + n²)·4 out: launch- and latency-bound."""
+(~10 instructions each). Traffic: T·(2+n)·n·4 bytes in, T·(2n + n²)·4 out: launch- and latency-bound.
+
+`hc_mix_logits` (hc_mix_logits_kernel): mu [T, W] = (x · fnᵀ) · rsqrt(mean(x²) + eps), x = X [T, n·d] as fp32,
+fn [W, n·d] fp32 (W = (2+n)n = 24, or n for the head). An fp32 GEMM with K = n·d on partitions: partition p
+holds the K/128 consecutive elements k = p·K/128 + j (any assignment of k to partitions gives the same sum), so
+both operands load as contiguous runs (x: runs of up to K/128 elements per token; fn: W runs of K/128 fp32 per
+partition) instead of element-strided transposing reads. fnᵀ stays in SBUF for the call ([128, W, K/128] fp32:
+12 KiB per partition at V4-Flash, 21 KiB at V4-Pro). Per token tile (<= 128 tokens), per chunk of k columns: x
+widened to fp32 in SBUF (an fp32 operand needs an fp32 partner), one nc_matmul per k column (stationary xᵀ
+[128, tokens], moving fnᵀ [128, W], accumulated in one PSUM tile [tokens, W]), and the squares summed over the
+chunk on the free axis. The 128 per-partition sums of squares meet in one more matmul against a ones column
+([tokens, 1], tokens on partitions), then rsqrt(· / K + eps) on the Scalar Engine and one per-token scale of the
+PSUM tile. Stationary = xᵀ: PE time per k column is ~max(tokens, W) columns either way round (T = 1-8 at decode,
+128 per tile at prefill, against W = 24), and [tokens, W] puts the per-token scale on a [P, 1] operand and makes
+the store contiguous. Traffic: T·n·d·(2|4) + W·n·d·4 + T·W·4 bytes; fn dominates at decode (1.5 MiB, V4-Flash).
+
+`hc_collapse` (hc_collapse_kernel): Σ_i pre_i X_i and `hc_expand` (hc_expand_kernel): X'_k = post_k y +
+Σ_j comb[j, k] X_j, fp32 accumulation, one rounding to X's dtype. Tokens on partitions (128 per tile; with fewer
+than 65 tokens, each token's d columns split over up to 128 partitions: kernels/nki/rows.py), [n, d chunk] on the
+free axis (chunks of 2048: 16-32 KiB per stream tile). Each sum is a chain of scalar_tensor_tensor multiply-adds
+with per-partition [P, 1] fp32 weights (pre_i, comb[j, k], post_k, broadcast to a token's partitions by stride-0
+DMAs), in the twins' order (left to right; for expand the mix Σ_j first, post_k y last), the last one writing the
+output tile in X's dtype. Traffic (bf16): collapse T·d·(2n + 2), expand T·d·(4n + 2) bytes: HBM- and
+latency-bound elementwise work."""
 
 from __future__ import annotations
 
@@ -12,7 +35,10 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-__all__ = ["hc_sinkhorn_kernel", "hc_split_sinkhorn"]
+from .rows import row_views, splits
+
+__all__ = ["hc_sinkhorn_kernel", "hc_split_sinkhorn", "hc_mix_logits_kernel", "hc_mix_logits", "hc_collapse_kernel",
+           "hc_collapse", "hc_expand_kernel", "hc_expand"]
 
 
 def _recip_eps(dst, data, eps: float):
@@ -90,3 +116,179 @@ def hc_split_sinkhorn(mu, scale, base, *, n: int, hc_eps: float, sinkhorn_iters:
     pre, post, comb = _hc_sinkhorn(mu.reshape(-1, mu.shape[-1]), scale, base, int(n), float(hc_eps),
                                    int(sinkhorn_iters))
     return pre.reshape(lead + (n,)), post.reshape(lead + (n,)), comb.reshape(lead + (n, n))
+
+
+# ------------------------------------------------------------------------------------------------ mix logits
+_FREE_X = 4096           # x elements per partition per k chunk (bf16 8 KiB + fp32 widened + squares: 40 KiB)
+
+
+def hc_mix_logits_kernel(x, fn, norm_eps: float):
+    """x [T, K] (any float dtype), fn [W, K] fp32 -> mu [T, W] fp32 = (x · fnᵀ) · rsqrt(mean(x²) + norm_eps)."""
+    T, K = x.shape
+    W, K2 = fn.shape
+    assert K == K2 and W <= nl.tile_size.gemm_moving_fmax
+    out = nl.ndarray((T, W), nl.float32, buffer=nl.shared_hbm)
+    P = nl.tile_size.pmax
+    KT, kr = K // P, K % P               # k columns per partition; a rest of kr < 128 elements (k >= P·KT)
+    assert KT * W <= 16384, "fnᵀ is kept in SBUF: at most 64 KiB per partition"
+    if KT:
+        fn_t = nl.ndarray((P, W, KT), nl.float32, buffer=nl.sbuf)      # fn_t[p, w, j] = fn[w, p·KT + j]
+        nisa.dma_copy(dst=fn_t, src=fn.ap([[KT, P], [K, W], [1, KT]]))
+    if kr:
+        fn_r = nl.ndarray((kr, W), nl.float32, buffer=nl.sbuf)         # fn_r[p, w] = fn[w, P·KT + p]
+        nisa.dma_copy(dst=fn_r, src=fn.ap([[1, kr], [K, W]], offset=P * KT))
+    ones = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    eps_t = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=eps_t, value=float(norm_eps))
+    for t0 in range(0, T, P):
+        p = min(P, T - t0)
+        ps = nl.ndarray((P, W), nl.float32, buffer=nl.psum)           # x · fnᵀ, accumulated over k
+        ss = nl.ndarray((P, p), nl.float32, buffer=nl.sbuf)           # per-partition sums of squares
+        nisa.memset(dst=ss, value=0.0)
+        kc = max(1, min(KT, _FREE_X // p))
+        chunks = [(j0, min(kc, KT - j0)) for j0 in range(0, KT, kc)] + ([(None, 1)] if kr else [])
+        for j0, nj in chunks:
+            kk = P if j0 is not None else kr
+            xr = nl.ndarray((kk, p, nj), x.dtype, buffer=nl.sbuf)       # xr[q, t, j] = x[t0 + t, q·KT + j0 + j]
+            if j0 is not None:
+                nisa.dma_copy(dst=xr, src=x.ap([[KT, P], [K, p], [1, nj]], offset=t0 * K + j0))
+            else:
+                nisa.dma_copy(dst=xr, src=x.ap([[1, kr], [K, p], [1, 1]], offset=t0 * K + P * KT))
+            x32 = xr
+            if x.dtype != nl.float32:       # fn is fp32: the PE array needs an fp32 partner
+                x32 = nl.ndarray((kk, p, nj), nl.float32, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=x32, src=xr)
+            for j in range(nj):
+                moving = fn_t[:, :, j0 + j] if j0 is not None else fn_r
+                nisa.nc_matmul(dst=ps[0:p], stationary=x32[:, :, j], moving=moving)
+            sq = nl.ndarray((kk, p, nj), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=sq, data1=x32, data2=x32, op=nl.multiply)
+            part = nl.ndarray((kk, p), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_reduce(dst=part, op=nl.add, data=sq, axis=2)
+            nisa.tensor_tensor(dst=ss[0:kk], data1=ss[0:kk], data2=part, op=nl.add)
+        pss = nl.ndarray((P, 1), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=pss[0:p], stationary=ss, moving=ones)      # Σ over partitions: [tokens, 1]
+        r = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=r[0:p], op=nl.rsqrt, data=pss[0:p], scale=1.0 / K, bias=eps_t[0:p])
+        mu = nl.ndarray((P, W), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=mu[0:p], data=ps[0:p], op0=nl.multiply, operand0=r[0:p])
+        nisa.dma_copy(dst=out[t0:t0 + p, :], src=mu[0:p])
+    return out
+
+
+_hc_mix_logits = nki.jit(hc_mix_logits_kernel)
+
+
+def hc_mix_logits(X, fn, norm_eps: float):
+    """The JAX op: X [..., n, d], fn [W, n·d] fp32 -> mu [..., W] fp32."""
+    lead, (n, d) = X.shape[:-2], X.shape[-2:]
+    return _hc_mix_logits(X.reshape(-1, n * d), fn, float(norm_eps)).reshape(lead + (fn.shape[0],))
+
+
+# ------------------------------------------------------------------------------------------ collapse / expand
+_CHUNK = 2048            # d columns per tile
+
+
+def _weighted_sum(dst, terms, acc):
+    """dst = Σ_i w_i · x_i, left to right in fp32: terms [(x_i [p, c], w_i [p, 1] fp32)]; acc an fp32 [p, c]
+    scratch; the last multiply-add writes dst (cast to its dtype)."""
+    (x0, w0), rest = terms[0], terms[1:]
+    nisa.tensor_scalar(dst=acc if rest else dst, data=x0, op0=nl.multiply, operand0=w0)
+    for i, (x, w) in enumerate(rest):
+        nisa.scalar_tensor_tensor(dst=dst if i == len(rest) - 1 else acc, data=x, op0=nl.multiply, operand0=w,
+                                  op1=nl.add, operand1=acc)
+
+
+def _load_weights(src, t0: int, nt: int, s: int, width: int):
+    """Per-token fp32 weights src [T, width] -> [P, width], each token's row on its s partitions."""
+    wt = nl.ndarray((nl.tile_size.pmax, width), nl.float32, buffer=nl.sbuf)
+    for r, k, view in row_views(src, t0, nt, s, width, 0, [], 0, width):
+        nisa.dma_copy(dst=wt[r:r + k], src=view)
+    return wt
+
+
+def hc_collapse_kernel(x, pre):
+    """x [T, n, d] (any float dtype), pre fp32 [T, n] -> Σ_i pre_i x_i [T, d] in x's dtype (fp32 accumulation)."""
+    T, n, d = x.shape
+    out = nl.ndarray((T, d), x.dtype, buffer=nl.shared_hbm)
+    P = nl.tile_size.pmax
+    s = splits(T, d, 4 if x.dtype == nl.float32 else 2)
+    db = d // s                                         # columns per partition
+    per_tile = P // s
+    for t0 in range(0, T, per_tile):
+        nt = min(per_tile, T - t0)
+        rows = nt * s
+        pr = _load_weights(pre, t0, nt, s, n)
+        for c0 in range(0, db, _CHUNK):
+            w = min(_CHUNK, db - c0)
+            xt = nl.ndarray((P, n, w), x.dtype, buffer=nl.sbuf)
+            for r, k, view in row_views(x, t0, nt, s, n * d, db, [[d, n]], c0, w):
+                nisa.dma_copy(dst=xt[r:r + k], src=view)
+            acc = nl.ndarray((P, w), nl.float32, buffer=nl.sbuf)
+            yt = nl.ndarray((P, w), x.dtype, buffer=nl.sbuf)
+            _weighted_sum(yt[0:rows], [(xt[0:rows, i, :], pr[0:rows, i:i + 1]) for i in range(n)], acc[0:rows])
+            for r, k, view in row_views(out, t0 * s, rows, 1, db, db, [], c0, w):    # rows of db: contiguous
+                nisa.dma_copy(dst=view, src=yt[r:r + k])
+    return out
+
+
+def hc_expand_kernel(y, post, comb, x):
+    """y [T, d], post fp32 [T, n], comb fp32 [T, n·n] (row-major comb[j, k]), x [T, n, d] ->
+    X' [T, n, d] in x's dtype: X'_k = post_k · y + Σ_j comb[j, k] · x_j (fp32)."""
+    T, n, d = x.shape
+    out = nl.ndarray((T, n, d), x.dtype, buffer=nl.shared_hbm)
+    P = nl.tile_size.pmax
+    s = splits(T, d, 4 if x.dtype == nl.float32 else 2)
+    db = d // s
+    per_tile = P // s
+    for t0 in range(0, T, per_tile):
+        nt = min(per_tile, T - t0)
+        rows = nt * s
+        po = _load_weights(post, t0, nt, s, n)
+        cb = _load_weights(comb, t0, nt, s, n * n)
+        for c0 in range(0, db, _CHUNK):
+            w = min(_CHUNK, db - c0)
+            xt = nl.ndarray((P, n, w), x.dtype, buffer=nl.sbuf)
+            for r, k, view in row_views(x, t0, nt, s, n * d, db, [[d, n]], c0, w):
+                nisa.dma_copy(dst=xt[r:r + k], src=view)
+            yt = nl.ndarray((P, w), y.dtype, buffer=nl.sbuf)
+            for r, k, view in row_views(y, t0, nt, s, d, db, [], c0, w):
+                nisa.dma_copy(dst=yt[r:r + k], src=view)
+            acc = nl.ndarray((P, w), nl.float32, buffer=nl.sbuf)
+            ot = nl.ndarray((P, n, w), x.dtype, buffer=nl.sbuf)
+            for k_ in range(n):
+                terms = [(xt[0:rows, j, :], cb[0:rows, j * n + k_:j * n + k_ + 1]) for j in range(n)]
+                terms.append((yt[0:rows], po[0:rows, k_:k_ + 1]))
+                _weighted_sum(ot[0:rows, k_, :], terms, acc[0:rows])
+            for r, k, view in row_views(out, t0, nt, s, n * d, db, [[d, n]], c0, w):
+                nisa.dma_copy(dst=view, src=ot[r:r + k])
+    return out
+
+
+_hc_collapse = nki.jit(hc_collapse_kernel)
+_hc_expand = nki.jit(hc_expand_kernel)
+
+
+def _like(a, shape):
+    """a broadcast to `shape` (the twins broadcast their per-token operands; the kernels take one row per token)."""
+    if tuple(a.shape) == tuple(shape):
+        return a
+    import jax.numpy as jnp
+
+    return jnp.broadcast_to(a, shape)
+
+
+def hc_collapse(X, pre):
+    """The JAX op: X [..., n, d], pre fp32 [..., n] -> [..., d] in X's dtype."""
+    lead, (n, d) = X.shape[:-2], X.shape[-2:]
+    pre = _like(pre, lead + (n,))
+    return _hc_collapse(X.reshape(-1, n, d), pre.reshape(-1, n)).reshape(lead + (d,))
+
+
+def hc_expand(y, post, comb, X):
+    """The JAX op: y [..., d], post [..., n], comb [..., n, n] (fp32), X [..., n, d] -> [..., n, d] in X's dtype."""
+    lead, (n, d) = X.shape[:-2], X.shape[-2:]
+    y, post, comb = _like(y, lead + (d,)), _like(post, lead + (n,)), _like(comb, lead + (n, n))
+    out = _hc_expand(y.reshape(-1, d), post.reshape(-1, n), comb.reshape(-1, n * n), X.reshape(-1, n, d))
+    return out.reshape(lead + (n, d))

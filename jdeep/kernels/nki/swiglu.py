@@ -10,9 +10,19 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-__all__ = ["swiglu_kernel", "swiglu"]
+__all__ = ["swiglu_kernel", "swiglu", "swiglu_tile"]
 
 _CHUNK = 2048
+
+
+def swiglu_tile(dst, g, u, u_out, limit: float) -> None:
+    """dst = silu(min(g, limit)) · clamp(u, ±limit) on one tile (fp32 math): g, u SBUF or PSUM tiles, dst and the
+    scratch u_out SBUF fp32 tiles of their shape (either may be g / u themselves). Also the MoE GEMMs' epilogue."""
+    nisa.tensor_scalar(dst=dst, data=g, op0=nl.minimum, operand0=float(limit))
+    nisa.tensor_scalar(dst=u_out, data=u, op0=nl.minimum, operand0=float(limit), op1=nl.maximum,
+                       operand1=-float(limit))
+    nisa.activation(dst=dst, op=nl.silu, data=dst)
+    nisa.tensor_tensor(dst=dst, data1=dst, data2=u_out, op=nl.multiply)
 
 
 def swiglu_kernel(g, u, limit: float):
@@ -28,11 +38,7 @@ def swiglu_kernel(g, u, limit: float):
             ut = nl.ndarray((P, m), nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=gt[0:n], src=g[t0:t0 + n, f0:f0 + m])
             nisa.dma_copy(dst=ut[0:n], src=u[t0:t0 + n, f0:f0 + m])
-            nisa.tensor_scalar(dst=gt[0:n], data=gt[0:n], op0=nl.minimum, operand0=float(limit))
-            nisa.tensor_scalar(dst=ut[0:n], data=ut[0:n], op0=nl.minimum, operand0=float(limit),
-                               op1=nl.maximum, operand1=-float(limit))
-            nisa.activation(dst=gt[0:n], op=nl.silu, data=gt[0:n])
-            nisa.tensor_tensor(dst=gt[0:n], data1=gt[0:n], data2=ut[0:n], op=nl.multiply)
+            swiglu_tile(gt[0:n], gt[0:n], ut[0:n], ut[0:n], limit)
             nisa.dma_copy(dst=out[t0:t0 + n, f0:f0 + m], src=gt[0:n])
     return out
 

@@ -1,24 +1,43 @@
 """Emulated `nki` (see ../README.md): `simulate` runs a kernel on numpy arrays; `jit` does too, and called with
 JAX arrays inside a trace it stands in for the real lowering: it emits the custom call NKI emits
 (`AwsNeuronCustomNativeKernel`, a base64 JSON backend config naming the kernel) and records it in `RECORDED`.
-The output shapes come from running the kernel on zeros; no numbers reach the graph (the call cannot run on CPU)."""
+The output shapes come from running the kernel on zeros; no numbers reach the graph (the call cannot run on CPU).
+Inside `host_execution()` the call becomes a `jax.pure_callback` that runs the kernel under `simulate` instead, so
+a whole model step on the neuron path can run on CPU with every kernel emulated (tests compare it to the jnp path)."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import json
+import threading
 
 import numpy as np
 
 from . import isa, language  # noqa: F401
 from .language import NKIError, NkiTensor
 
-__all__ = ["jit", "simulate", "EMULATED", "RECORDED", "CUSTOM_CALL_TARGET"]
+__all__ = ["jit", "simulate", "host_execution", "EMULATED", "RECORDED", "CUSTOM_CALL_TARGET"]
 
 EMULATED = True
 CUSTOM_CALL_TARGET = "AwsNeuronCustomNativeKernel"
 RECORDED: list[dict] = []    # one entry per custom call emitted while tracing
+_HOST_EXECUTION = False
+_SIMULATING = threading.RLock()   # the emulation's PSUM bookkeeping is global: one kernel at a time (XLA may run
+                                 # host callbacks on several threads)
+
+
+@contextlib.contextmanager
+def host_execution():
+    """Kernels called inside a trace run on the host under `simulate` (a pure_callback) instead of lowering to the
+    custom call. Emulation only: the real nki.jit has no such mode."""
+    global _HOST_EXECUTION
+    before, _HOST_EXECUTION = _HOST_EXECUTION, True
+    try:
+        yield
+    finally:
+        _HOST_EXECUTION = before
 
 
 def jit(fn=None, **kwargs):
@@ -52,21 +71,36 @@ def _custom_call(fn, args):
     record = {"kernel": fn.__name__, "inputs": [(tuple(a.shape), str(a.dtype)) for a, arr in zip(args, is_array) if arr],
               "outputs": [(tuple(o.shape), str(o.dtype)) for o in outs], "scalars": scalars}
     RECORDED.append(record)
+    arrays = [a for a, arr in zip(args, is_array) if arr]
+    if _HOST_EXECUTION:
+        def host(*values):
+            it = iter(values)
+            outs = simulate(fn)(*[np.asarray(next(it)) if arr else a for a, arr in zip(args, is_array)])
+            return outs if isinstance(outs, tuple) else (outs,)
+
+        res = jax.pure_callback(host, result, *arrays)
+        return res[0] if single else tuple(res)
     config = base64.b64encode(json.dumps({"function_name": fn.__name__, "scalars": scalars}).encode()).decode()
     res = jax.ffi.ffi_call(CUSTOM_CALL_TARGET, result, custom_call_api_version=2, legacy_backend_config=config)(
-        *[a for a, arr in zip(args, is_array) if arr])
+        *arrays)
     return res[0] if single else tuple(res)
 
 
 def simulate(kernel):
-    """simulate(kernel)(*args): numpy arrays become HBM tensors (written back if the kernel modifies them), other
+    """simulate(kernel)(*args): numpy arrays become HBM tensors (read-only copies), other
     arguments pass through; the returned tensors must be shared-HBM outputs and come back as numpy arrays."""
 
     @functools.wraps(kernel)
     def run(*args, **kwargs):
+        with _SIMULATING:
+            return _run(*args, **kwargs)
+
+    def _run(*args, **kwargs):
         language._MATMUL_WRITTEN.clear()
-        wrapped = [NkiTensor(a, language.hbm, f"arg{i}", writable=False) if isinstance(a, np.ndarray) else a
-                   for i, a in enumerate(args)]
+        # each array argument gets storage of its own (a copy), as a kernel input is its own HBM tensor: access
+        # patterns address a tensor's storage, and a numpy view of a larger array would expose its base's
+        wrapped = [NkiTensor(np.array(a, order="C"), language.hbm, f"arg{i}", writable=False)
+                   if isinstance(a, np.ndarray) else a for i, a in enumerate(args)]
         out = kernel(*wrapped, **kwargs)
         outs = out if isinstance(out, tuple) else (out,)
         for t in outs:

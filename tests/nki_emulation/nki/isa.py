@@ -51,6 +51,13 @@ def _write(dst: NkiTensor, value: np.ndarray, by_matmul: bool = False) -> None:
         nl.matmul_written(dst)[...] = 0
 
 
+def _one_bit_pattern_type(what: str, *ts: NkiTensor) -> None:
+    """Bit-vector ops treat elements as bit patterns without any data type casting: one integer dtype in and out."""
+    if len({t.dtype for t in ts}) != 1:
+        raise NKIError(f"{what}: bit-vector inputs and dst must share one integer dtype (no casting), got "
+                       f"{', '.join(str(t.dtype) for t in ts)}")
+
+
 def _same_partitions(dst: NkiTensor, *srcs: NkiTensor, what: str) -> None:
     for s in srcs:
         if s.shape[0] != dst.shape[0] or s.data.size != dst.data.size:
@@ -116,6 +123,9 @@ def memset(dst: NkiTensor, value, engine=None, name=None) -> None:
 def iota(dst: NkiTensor, pattern, offset: int = 0, channel_multiplier: int = 0, name=None) -> None:
     if dst.buffer is not nl.sbuf:
         raise NKIError("iota writes SBUF")
+    if int(np.prod([n for _, n in pattern])) != dst.data.size // dst.shape[0]:
+        raise NKIError(f"iota: the pattern {pattern} does not cover the {dst.data.size // dst.shape[0]} elements per "
+                       "partition of dst")
     p = np.arange(dst.shape[0])[:, None]
     value = offset + p * channel_multiplier + nl._ramp([s for s, _ in pattern], [n for _, n in pattern])[None, :]
     _write(dst, value.reshape(dst.shape).astype(np.int32).astype(np.float32) if dst.dtype.kind == "f"
@@ -188,6 +198,8 @@ def tensor_tensor(dst: NkiTensor, data1: NkiTensor, data2: NkiTensor, op: _Op, e
         raise NKIError(f"tensor_tensor takes an ALU op, got {op}")
     if op.kind == "bitvec" and any(t.dtype.kind not in "iu" for t in (dst, data1, data2)):
         raise NKIError(f"{op} needs integer tiles")
+    if op.kind == "bitvec":
+        _one_bit_pattern_type(f"tensor_tensor {op}", dst, data1, data2)
     a, b = data1.data.reshape(dst.shape), data2.data.reshape(dst.shape)
     _write(dst, _apply(op, a, b))
 
@@ -201,6 +213,8 @@ def tensor_scalar(dst: NkiTensor, data: NkiTensor, op0: _Op, operand0, reverse0:
         raise NKIError("tensor_scalar: op0 and op1 must be both arithmetic or both bitvec")
     if op0.kind == "bitvec" and (data.dtype.kind not in "iu" or dst.dtype.kind not in "iu"):
         raise NKIError(f"{op0} needs integer tiles")
+    if op0.kind == "bitvec":
+        _one_bit_pattern_type(f"tensor_scalar {op0}", dst, data)
     x = data.data if op0.kind == "bitvec" else _f32(data)
     y = _apply(op0, x, _operand(op0, operand0, data, "tensor_scalar operand0"), reverse0)
     if op1 is not None:
@@ -215,6 +229,8 @@ def scalar_tensor_tensor(dst: NkiTensor, data: NkiTensor, op0: _Op, operand0, op
     _same_partitions(dst, data, operand1, what="scalar_tensor_tensor")
     if data.buffer is nl.psum and operand1.buffer is nl.psum:
         raise NKIError("scalar_tensor_tensor: data and operand1 cannot both be in PSUM")
+    if "bitvec" in (op0.kind, op1.kind):
+        raise NKIError(f"scalar_tensor_tensor does not take bit-vector operators, got {op0}, {op1}")
     y = _apply(op0, _f32(data), _operand(op0, operand0, data, "scalar_tensor_tensor operand0"), reverse0)
     y = _apply(op1, y, _f32(operand1).reshape(y.shape), reverse1)
     _write(dst, y.reshape(dst.shape))
@@ -263,25 +279,128 @@ def max8(dst: NkiTensor, src: NkiTensor, name=None) -> None:
     _write(dst, -np.sort(-x, axis=1)[:, :8])
 
 
+def _index_dst(what: str, t: NkiTensor, P: int) -> None:
+    if t.dtype not in (nl.uint16, nl.uint32) or t.shape[0] != P or t.data.size != 8 * P:
+        raise NKIError(f"{what}: the index tile must be uint16/uint32 [P, 8] with P = {P}, got {t.shape} {t.dtype}")
+
+
+def _eight_vals(what: str, data: NkiTensor, vals: NkiTensor, least: int) -> tuple[np.ndarray, np.ndarray]:
+    """data [P, n] and vals [P, 8] as fp32, with the documented limits (least..16384 elements per partition)."""
+    P = data.shape[0]
+    if vals.shape[0] != P or vals.data.size != 8 * P:
+        raise NKIError(f"{what}: vals must hold exactly 8 values per partition of data's {P}, got {vals.shape}")
+    x = _f32(data).reshape(P, -1)
+    if not least <= x.shape[1] <= 16384:
+        raise NKIError(f"{what}: data has {x.shape[1]} elements per partition ({least}..16384)")
+    return x, _f32(vals).reshape(P, 8)
+
+
 def nc_find_index8(dst: NkiTensor, data: NkiTensor, vals: NkiTensor, name=None) -> None:
-    """First index of each of the 8 values per partition (uint32 [P, 8])."""
+    """The position of each of the 8 values per partition (uint16/uint32 [P, 8]): its first occurrence; a value
+    repeated in vals takes the next occurrences in turn (ascending distinct positions). [The stored NKI docs only
+    say "first occurrence"; the duplicate rule is the one a third party measured on trn1.]"""
     _on_chip("nc_find_index8", dst, data, vals)
-    x = _f32(data).reshape(data.shape[0], -1)
-    v = _f32(vals).reshape(vals.shape[0], 8)
-    hits = x[:, None, :] == v[:, :, None]
-    if not hits.any(axis=2).all():
-        raise NKIError("nc_find_index8: a value is absent from its partition (undefined on hardware)")
-    _write(dst, np.argmax(hits, axis=2).astype(np.uint32).reshape(dst.shape))
+    x, v = _eight_vals("nc_find_index8", data, vals, 8)
+    _index_dst("nc_find_index8", dst, data.shape[0])
+    rows = np.arange(x.shape[0])
+    taken = np.zeros(x.shape, bool)
+    pos = np.zeros(v.shape, np.int64)
+    for j in range(8):
+        hit = (x == v[:, j:j + 1]) & ~taken
+        if not hit.any(axis=1).all():
+            raise NKIError("nc_find_index8: a value is absent from its partition (undefined on hardware)")
+        pos[:, j] = np.argmax(hit, axis=1)
+        taken[rows, pos[:, j]] = True
+    _write(dst, pos.astype(np.uint32).reshape(dst.shape))
 
 
 def nc_match_replace8(dst: NkiTensor, data: NkiTensor, vals: NkiTensor, imm: float, dst_idx=None, name=None) -> None:
-    """data with the first occurrence of each of the 8 values per partition replaced by imm."""
+    """The docs' NumPy equivalent: for each of the 8 values in turn, its first occurrence in data (as replaced so
+    far) is replaced by imm and, with dst_idx (uint16/uint32 [P, 8]), its position written there. data <= 16384
+    elements per partition; dst has data's shape."""
     _on_chip("nc_match_replace8", dst, data, vals)
-    x = _f32(data).reshape(data.shape[0], -1).copy()
-    v = _f32(vals).reshape(vals.shape[0], 8)
-    for p in range(x.shape[0]):
-        for j in range(8):
-            hit = np.flatnonzero(x[p] == v[p, j])
-            if hit.size:
-                x[p, hit[0]] = imm
+    x, v = _eight_vals("nc_match_replace8", data, vals, 1)
+    x = x.copy()
+    if dst.shape[0] != data.shape[0] or dst.data.size != data.data.size:
+        raise NKIError(f"nc_match_replace8: dst {dst.shape} must have data's shape {data.shape}")
+    if dst_idx is not None:
+        _on_chip("nc_match_replace8 dst_idx", dst_idx)
+        _index_dst("nc_match_replace8 dst_idx", dst_idx, data.shape[0])
+    rows = np.arange(x.shape[0])
+    pos = np.zeros(v.shape, np.int64)
+    for j in range(8):
+        hit = x == v[:, j:j + 1]
+        if not hit.any(axis=1).all():
+            raise NKIError("nc_match_replace8: a value is absent from its partition (undefined on hardware)")
+        pos[:, j] = np.argmax(hit, axis=1)
+        x[rows, pos[:, j]] = np.float32(imm)
     _write(dst, x.reshape(dst.shape))
+    if dst_idx is not None:
+        _write(dst_idx, pos.astype(np.uint32).reshape(dst_idx.shape))
+
+
+def nc_n_gather(dst: NkiTensor, data: NkiTensor, indices: NkiTensor, name=None) -> None:
+    """GpSimd gather within each partition: dst[p, j] = data[p, indices[p, j]] over data's flattened free dims.
+    All tiles in SBUF; indices uint32 in [0, elements per partition of data); dst in data's dtype with as many
+    elements per partition as indices."""
+    for t in (dst, data, indices):
+        if t.buffer is not nl.sbuf:
+            raise NKIError(f"nc_n_gather reads and writes SBUF (GpSimd cannot access PSUM), got {t.buffer.name}")
+    P = data.shape[0]
+    if dst.shape[0] != P or indices.shape[0] != P:
+        raise NKIError(f"nc_n_gather: partitions of dst {dst.shape}, data {data.shape}, indices {indices.shape} differ")
+    if dst.dtype != data.dtype or indices.dtype != nl.uint32:
+        raise NKIError(f"nc_n_gather: dst must have data's dtype ({data.dtype}, got {dst.dtype}) and indices be uint32 "
+                       f"(got {indices.dtype})")
+    idx = indices.data.reshape(P, -1).astype(np.int64)
+    if dst.data.size != idx.size:
+        raise NKIError(f"nc_n_gather: dst {dst.shape} and indices {indices.shape} differ in elements per partition")
+    x = data.data.reshape(P, -1)
+    if (idx >= x.shape[1]).any():
+        raise NKIError(f"nc_n_gather: an index is outside [0, {x.shape[1]})")
+    _write(dst, np.take_along_axis(x, idx, axis=1).reshape(dst.shape))
+
+
+# ---------------------------------------------------------------------- registers (dynamic addressing)
+class VirtualRegister:
+    """An engine-sequencer register (nisa.register_alloc): one 32-bit integer, known only at run time on hardware;
+    here it holds the value its last register_load / register_alloc(x) gave it."""
+
+    def __init__(self, value: int | None = None):
+        self._value = value
+
+    def read(self) -> int:
+        if self._value is None:
+            raise NKIError("read of a register that was never loaded (register_alloc() leaves it uninitialised)")
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"VirtualRegister({self._value})"
+
+
+def _int32(v) -> int:
+    v = int(v)
+    if not -2 ** 31 <= v < 2 ** 31:
+        raise NKIError(f"a register holds a 32-bit integer, got {v}")
+    return v
+
+
+def register_alloc(x=None) -> VirtualRegister:
+    """A new register, uninitialised (x=None) or holding the compile-time integer x."""
+    if x is not None and not isinstance(x, (int, np.integer)):
+        raise NKIError(f"register_alloc initialises a register with an integer, got {x!r}")
+    return VirtualRegister(None if x is None else _int32(x))
+
+
+def register_load(dst: VirtualRegister, src: NkiTensor) -> None:
+    """dst = the single (up to 32-bit) value of src, a one-element tensor in HBM or SBUF."""
+    if not isinstance(dst, VirtualRegister):
+        raise NKIError(f"register_load writes a register (nisa.register_alloc), got {type(dst).__name__}")
+    if not isinstance(src, NkiTensor) or src.data.size != 1:
+        raise NKIError(f"register_load reads a tensor with exactly one element, got {src!r}")
+    if src.buffer is nl.psum:
+        raise NKIError("register_load reads HBM or SBUF, not PSUM")
+    if src.dtype.kind not in "iu" or src.dtype.itemsize > 4:
+        raise NKIError(f"register_load of a {src.dtype} value is not emulated: it loads a 32-bit integer here "
+                       "(the docs do not say how other types convert)")
+    dst._value = _int32(src.data.reshape(-1)[0])

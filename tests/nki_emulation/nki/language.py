@@ -108,10 +108,13 @@ class NkiTensor:
         shape[dim] = size
         return self._view(np.broadcast_to(self.data, shape), writable=False)
 
-    def ap(self, pattern, offset: int = 0, vector_offset: "NkiTensor | None" = None, indirect_dim: int = 0
-           ) -> "NkiTensor":
+    def ap(self, pattern, offset: int = 0, vector_offset: "NkiTensor | None" = None, indirect_dim: int = 0,
+           scalar_offset=None) -> "NkiTensor":
         """Access pattern [[step, num], ...] (elements, outermost first) over the tensor's storage from `offset`;
-        vector_offset: a [P, 1] index tile choosing the row (dim indirect_dim) per partition (HBM tensors only)."""
+        vector_offset: a [P, 1] index tile choosing the row (dim indirect_dim) per partition (HBM tensors only);
+        scalar_offset: a run-time index (a register, or a one-element integer SBUF tile) on dim indirect_dim of the
+        tensor, moving the start by index * that dim's stride (HBM tensors only here); out-of-bounds raises, as
+        oob_mode.error (the default) does on hardware."""
         base = self.data
         while base.base is not None and isinstance(base.base, np.ndarray):
             base = base.base
@@ -119,6 +122,10 @@ class NkiTensor:
         steps, nums = [p[0] for p in pattern], [p[1] for p in pattern]
         if self.buffer in _ON_CHIP and steps[0] != int(np.prod(base.shape[1:])):
             raise NKIError("an on-chip access pattern's partition step must be the free size (contiguous partitions)")
+        if scalar_offset is not None:
+            if vector_offset is not None:
+                raise NKIError("at most one of scalar_offset and vector_offset can be given")
+            offset = offset + _dynamic_start(scalar_offset, base, self.buffer, indirect_dim)
         if vector_offset is not None:
             if self.buffer in _ON_CHIP or indirect_dim != 0:
                 raise NKIError("vector_offset (indirect rows) needs an HBM tensor and indirect_dim=0")
@@ -139,6 +146,29 @@ class NkiTensor:
 
     def __repr__(self) -> str:
         return f"NkiTensor({self.shape}, {self.dtype}, {self.buffer})"
+
+
+def _dynamic_start(scalar_offset, base: np.ndarray, buffer: _Buffer, indirect_dim: int) -> int:
+    """The element offset a scalar_offset adds: its run-time value times the stride of dim indirect_dim."""
+    from .isa import VirtualRegister
+
+    if buffer in _ON_CHIP:
+        raise NKIError("scalar_offset on an SBUF/PSUM tensor is not emulated (HBM tensors only)")
+    if not 0 <= indirect_dim < base.ndim:
+        raise NKIError(f"indirect_dim {indirect_dim} is not a dim of a {base.ndim}-D tensor")
+    if isinstance(scalar_offset, VirtualRegister):
+        value = scalar_offset.read()
+    elif isinstance(scalar_offset, NkiTensor):
+        if scalar_offset.buffer is not sbuf or scalar_offset.data.size != 1 or scalar_offset.dtype.kind not in "iu":
+            raise NKIError(f"a tensor scalar_offset is one integer element in SBUF, got {scalar_offset!r}")
+        value = int(scalar_offset.data.reshape(-1)[0])
+    else:
+        raise NKIError(f"scalar_offset must be a register (nisa.register_alloc) or an SBUF element, got "
+                       f"{type(scalar_offset).__name__} (a compile-time offset goes in offset=)")
+    if not 0 <= value < base.shape[indirect_dim]:
+        raise NKIError(f"scalar_offset {value} is out of bounds for dim {indirect_dim} of size "
+                       f"{base.shape[indirect_dim]} (oob_mode.error)")
+    return value * int(np.prod(base.shape[indirect_dim + 1:], dtype=np.int64))
 
 
 def _ramp(steps, nums) -> np.ndarray:
