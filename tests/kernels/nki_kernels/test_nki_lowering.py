@@ -1,8 +1,10 @@
-"""On the neuron path the hot ops lower to NKI custom calls: the model step of a quantized one-layer model, traced
-with the dispatch answering as on Neuron and `nki.jit` standing in for the real lowering (tests/nki_emulation:
-it emits NKI's custom call and records it; nothing is run), contains one `AwsNeuronCustomNativeKernel` call per
-RMSNorm and per fp8 projection, with the uint8 codes passed to it undecoded; the same step traced for CPU has
-none. (With the real `nki` package this needs its JAX lowering, so it only runs under the emulation.)"""
+"""On the neuron path every hot op lowers to its NKI custom call: the model steps of quantized tiny DeepSeek-V4 (every
+layer kind: sliding, ratio-4 with indexer, ratio-16, hash MoE) and DeepSeek-V4.1 (KV sources, shared top-k, candidate
+blocks, Engram) models, traced with the dispatch answering as on Neuron and `nki.jit` standing in for the real
+lowering (tests/nki_emulation: it emits NKI's custom call and records it; nothing is run), contain one
+`AwsNeuronCustomNativeKernel` call per recorded kernel, every kernel of the registry among them, with the weight codes
+passed to them undecoded; the same steps traced for CPU have none. (With the real `nki` package this needs its JAX
+lowering, so it only runs under the emulation.)"""
 
 from __future__ import annotations
 
@@ -10,51 +12,93 @@ import functools
 import re
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 import pytest
 
-import jdeep
 import nki
-from jdeep import kernels, model as jmodel
+from jdeep import kernels
+from jdeep.checkpoint import abstract_params
+from jdeep.config import ModelConfig
 from jdeep.kernels import nki as nki_kernels
-from jdeep.random_weights import one_layer_config, random_checkpoint
+from jdeep.model import model_step
+from jdeep.numerics import Numerics
+from jdeep.plan import build_plan
+from jdeep.random_weights import TINY_CONFIG, one_layer_config, tiny_v41_config
+from jdeep.state import init_state
 
 pytestmark = pytest.mark.skipif(not getattr(nki, "EMULATED", False), reason="the recording stand-in is the emulation's")
 
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32],
          "expert_dtype": "fp4"}
+# every registered kernel body, plus the second kernel of the MoE ops; swiglu_kernel's tiles are fused into the
+# expert kernels, so the model never calls it on its own
+MODEL_KERNELS = {body for op, (_, _, body) in nki_kernels.KERNELS.items() if op != "swiglu"} | {"expert_down_kernel"}
 
 
-def _lower(model) -> str:
-    """The scan-mode step, jitted afresh (its own trace cache: the model's cached step program is not touched)."""
-    step = jax.jit(functools.partial(jmodel.model_step, config=model.config, plan=model.plan, numerics=model.numerics,
-                                     all_logits=False))
-    state = model.init_state(1, 256)
-    toks, pos = np.zeros((1, 16), np.int32), np.arange(16, dtype=np.int32)[None]
-    return step.lower(model.params, state, toks, pos).as_text()
+def _lower(config: ModelConfig, batch: int, S: int, max_len: int = 256) -> str:
+    """The scan-mode step of `config` with trn2 weights (fp8_max 240), lowered from abstract bf16 params and state
+    (a fresh jit: the model's cached programs are not touched)."""
+    plan = build_plan(config)
+    params = abstract_params(config, plan, jnp.bfloat16)
+    state = jax.eval_shape(lambda: init_state(config, plan, batch, max_len, jnp.bfloat16))
+    tok = jax.ShapeDtypeStruct((batch, S), jnp.int32)
+    engram = None
+    if config.engram is not None:
+        e = config.engram
+        rows = (len(e.layer_ids), batch, S, e.rows_per_token)
+        engram = (jax.ShapeDtypeStruct(rows + (e.head_dim,), jnp.uint8),
+                  jax.ShapeDtypeStruct(rows + (e.head_dim // 32,), jnp.uint8))
+    numerics = Numerics.for_config(config, fp8_max=240.0)
+    assert numerics.trn2_weights and numerics.quantize_activations
+    step = jax.jit(functools.partial(model_step, config=config, plan=plan, numerics=numerics))
+    return step.lower(params, state, tok, tok, engram).as_text()
 
 
-def test_neuron_dispatch_lowers_norms_and_fp8_gemms_to_nki_custom_calls(tmp_path, monkeypatch):
-    random_checkpoint(one_layer_config(head_dim=128, qk_rope_head_dim=64, index_head_dim=64, quantization_config=QUANT),
-                      str(tmp_path), seed=2)
-    model = jdeep.load(tmp_path, dtype="bfloat16", fp8_max=240.0, compile_mode="scan")
-    assert model.numerics.trn2_weights
+def _neuron_and_cpu(monkeypatch, config: ModelConfig, batch: int, S: int) -> tuple[str, list[dict], str]:
     nki_kernels.register_all()
     monkeypatch.setattr(kernels, "_backend", lambda: "neuron")
     nki.RECORDED.clear()
-    neuron = _lower(model)
+    neuron = _lower(config, batch, S)
+    recorded = list(nki.RECORDED)
     monkeypatch.undo()
-    cpu = _lower(model)                      # after it: no neuron trace leaks into later programs
+    return neuron, recorded, _lower(config, batch, S)     # after it: no neuron trace leaks into later programs
+
+
+def _check(neuron: str, recorded: list[dict], cpu: str) -> set[str]:
     assert nki.CUSTOM_CALL_TARGET not in cpu and "custom_call" not in cpu
-    calls = re.findall(r'custom_call @AwsNeuronCustomNativeKernel\(([^)]*)\)', neuron)
-    names = [r["kernel"] for r in nki.RECORDED]
-    assert len(calls) == len(names) > 0
-    assert {"rmsnorm_kernel", "fp8_linear_kernel"} <= set(names)
-    gemms = [r for r in nki.RECORDED if r["kernel"] == "fp8_linear_kernel"]
-    assert all(r["inputs"][1][1] == "uint8" and r["inputs"][2][1] == "uint8" for r in gemms)   # codes, scales as is
-    assert all(r["inputs"][0][1] == "bfloat16" for r in gemms)
-    # every quantized dense projection of the layer is one of them: as many as the fp8 weights outside the MoE
-    # (whose experts, shared one included, go through the MoE ops)
-    fp8_weights = [p for p in jax.tree_util.tree_leaves_with_path(model.params)
-                   if "codes" in jax.tree_util.keystr(p[0]) and "['ffn']" not in jax.tree_util.keystr(p[0])]
-    assert len(gemms) == len(fp8_weights), (len(gemms), [jax.tree_util.keystr(p[0]) for p in fp8_weights])
+    calls = re.findall(rf"custom_call @{nki.CUSTOM_CALL_TARGET}\(", neuron)
+    assert len(calls) == len(recorded) > 0
+    assert "f8E4M3" not in neuron and "f8E5M2" not in neuron            # codes reach the kernels as uint8 (S13)
+    for r in recorded:
+        if r["kernel"] == "fp8_linear_kernel":                           # activations bf16, codes and scales as is
+            assert [dt for _, dt in r["inputs"]] == ["bfloat16", "uint8", "uint8"], r
+        if r["kernel"] in ("expert_gate_up_kernel", "expert_down_kernel"):
+            assert "uint8" in [dt for _, dt in r["inputs"]], r           # fp4 / fp8 expert codes undecoded
+    return {r["kernel"] for r in recorded}
+
+
+@pytest.mark.parametrize("S", [16, 1], ids=["prefill", "decode"])
+def test_v4_step_lowers_every_hot_op_to_nki_custom_calls(monkeypatch, S):
+    config = ModelConfig.from_dict(dict(TINY_CONFIG, head_dim=128, qk_rope_head_dim=64, index_head_dim=64,
+                                        quantization_config=QUANT))       # blocks that DeepSeek's numerics tile
+    names = _check(*_neuron_and_cpu(monkeypatch, config, 1, S))
+    assert names == MODEL_KERNELS, (MODEL_KERNELS - names, names - MODEL_KERNELS)
+
+
+def test_v41_decode_step_lowers_every_hot_op_to_nki_custom_calls(monkeypatch):
+    names = _check(*_neuron_and_cpu(monkeypatch, ModelConfig.from_dict(tiny_v41_config()), 2, 1))
+    assert names == MODEL_KERNELS, (MODEL_KERNELS - names, names - MODEL_KERNELS)
+
+
+def test_every_fp8_projection_outside_the_moe_is_one_gemm_call(monkeypatch):
+    """One fp8_linear custom call per quantized dense weight of a one-layer model outside the MoE (whose experts,
+    the shared one included, go through the expert kernels): no projection is left to a decoded XLA dot."""
+    config = ModelConfig.from_dict(one_layer_config(head_dim=128, qk_rope_head_dim=64, index_head_dim=64,
+                                                    quantization_config=QUANT))
+    neuron, recorded, cpu = _neuron_and_cpu(monkeypatch, config, 1, 16)
+    _check(neuron, recorded, cpu)
+    params = abstract_params(config, build_plan(config), jnp.bfloat16)
+    fp8_weights = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
+                   if "codes" in jax.tree_util.keystr(p) and "['ffn']" not in jax.tree_util.keystr(p)]
+    gemms = [r for r in recorded if r["kernel"] == "fp8_linear_kernel"]
+    assert len(gemms) == len(fp8_weights), (len(gemms), fp8_weights)
