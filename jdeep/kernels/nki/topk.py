@@ -137,4 +137,6 @@ def topk(x, k: int):
     lead, T = x.shape[:-1], x.shape[-1]
     k = int(k)
     v, i = _topk(x.reshape(int(np.prod(lead, dtype=np.int64)), T).astype(jnp.float32), k)
+    # the indices feed gathers: clamped in the graph (graphcheck S12; the kernel's are in range, XLA cannot know)
+    i = jnp.clip(i, 0, T - 1)
     return v.reshape(lead + (k,)).astype(x.dtype), i.reshape(lead + (k,))

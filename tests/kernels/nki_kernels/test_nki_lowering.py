@@ -1,10 +1,11 @@
-"""On the neuron path every hot op lowers to its NKI custom call: the model steps of quantized tiny DeepSeek-V4 (every
+"""On the neuron path every hot op lowers to its NKI custom call: the programs of quantized tiny DeepSeek-V4 (every
 layer kind: sliding, ratio-4 with indexer, ratio-16, hash MoE) and DeepSeek-V4.1 (KV sources, shared top-k, candidate
 blocks, Engram) models, traced with the dispatch answering as on Neuron and `nki.jit` standing in for the real
 lowering (tests/nki_emulation: it emits NKI's custom call and records it; nothing is run), contain one
 `AwsNeuronCustomNativeKernel` call per recorded kernel, every kernel of the registry among them, with the weight codes
-passed to them undecoded; the same steps traced for CPU have none. (With the real `nki` package this needs its JAX
-lowering, so it only runs under the emulation.)"""
+passed to them undecoded, and pass the compile-safety rules as the programs Neuron compiles; the same programs traced
+for CPU have no custom call. (With the real `nki` package this needs its JAX lowering, so it only runs under the
+emulation.)"""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import jax.numpy as jnp
 import pytest
 
 import nki
-from jdeep import kernels
+from jdeep import graphs, kernels, regions
 from jdeep.checkpoint import abstract_params
 from jdeep.config import ModelConfig
+from jdeep.graphcheck import check_lowered
 from jdeep.kernels import nki as nki_kernels
 from jdeep.model import model_step
 from jdeep.numerics import Numerics
@@ -42,16 +44,10 @@ def _lower(config: ModelConfig, batch: int, S: int, max_len: int = 256) -> str:
     params = abstract_params(config, plan, jnp.bfloat16)
     state = jax.eval_shape(lambda: init_state(config, plan, batch, max_len, jnp.bfloat16))
     tok = jax.ShapeDtypeStruct((batch, S), jnp.int32)
-    engram = None
-    if config.engram is not None:
-        e = config.engram
-        rows = (len(e.layer_ids), batch, S, e.rows_per_token)
-        engram = (jax.ShapeDtypeStruct(rows + (e.head_dim,), jnp.uint8),
-                  jax.ShapeDtypeStruct(rows + (e.head_dim // 32,), jnp.uint8))
     numerics = Numerics.for_config(config, fp8_max=240.0)
     assert numerics.trn2_weights and numerics.quantize_activations
     step = jax.jit(functools.partial(model_step, config=config, plan=plan, numerics=numerics))
-    return step.lower(params, state, tok, tok, engram).as_text()
+    return step.lower(params, state, tok, tok, None).as_text()
 
 
 def _neuron_and_cpu(monkeypatch, config: ModelConfig, batch: int, S: int) -> tuple[str, list[dict], str]:
@@ -64,30 +60,61 @@ def _neuron_and_cpu(monkeypatch, config: ModelConfig, batch: int, S: int) -> tup
     return neuron, recorded, _lower(config, batch, S)     # after it: no neuron trace leaks into later programs
 
 
-def _check(neuron: str, recorded: list[dict], cpu: str) -> set[str]:
-    assert nki.CUSTOM_CALL_TARGET not in cpu and "custom_call" not in cpu
-    calls = re.findall(rf"custom_call @{nki.CUSTOM_CALL_TARGET}\(", neuron)
-    assert len(calls) == len(recorded) > 0
-    assert "f8E4M3" not in neuron and "f8E5M2" not in neuron            # codes reach the kernels as uint8 (S13)
+def _check_calls(neuron: str, recorded: list[dict]) -> None:
+    """Weight codes and scales reach the kernels as uint8 and no float8 type appears in the graph (S13)."""
+    assert "f8E4M3" not in neuron and "f8E5M2" not in neuron
     for r in recorded:
         if r["kernel"] == "fp8_linear_kernel":                           # activations bf16, codes and scales as is
             assert [dt for _, dt in r["inputs"]] == ["bfloat16", "uint8", "uint8"], r
         if r["kernel"] in ("expert_gate_up_kernel", "expert_down_kernel"):
             assert "uint8" in [dt for _, dt in r["inputs"]], r           # fp4 / fp8 expert codes undecoded
-    return {r["kernel"] for r in recorded}
 
 
-@pytest.mark.parametrize("S", [16, 1], ids=["prefill", "decode"])
-def test_v4_step_lowers_every_hot_op_to_nki_custom_calls(monkeypatch, S):
-    config = ModelConfig.from_dict(dict(TINY_CONFIG, head_dim=128, qk_rope_head_dim=64, index_head_dim=64,
-                                        quantization_config=QUANT))       # blocks that DeepSeek's numerics tile
-    names = _check(*_neuron_and_cpu(monkeypatch, config, 1, S))
+def _n_calls(text: str) -> int:
+    return len(re.findall(rf"custom_call @{nki.CUSTOM_CALL_TARGET}\(", text))
+
+
+def _regions_programs(config: ModelConfig) -> list:
+    """Every program of the regions compile mode (Neuron's default) for a 2-slot bucket, prefill 32 and decode, with
+    fresh jits and program caches (the model's cached programs are not touched)."""
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(graphs, "regions_step", regions.regions_step.__wrapped__)
+    monkey.setattr(regions, "_PROGRAMS", {})
+    try:
+        target = graphs.Target(config, build_plan(config), Numerics.for_config(config, fp8_max=240.0), jnp.bfloat16,
+                               "regions")
+        return graphs.model_programs(target, (2,), 32, 256)
+    finally:
+        monkey.undo()
+
+
+V4_CONFIG = dict(TINY_CONFIG, head_dim=128, qk_rope_head_dim=64, index_head_dim=64,   # blocks DeepSeek's numerics tile
+                 quantization_config=QUANT)
+
+
+@pytest.mark.parametrize("raw", [V4_CONFIG, tiny_v41_config()], ids=["v4", "v41"])
+def test_neuron_programs_call_every_kernel_and_pass_the_compile_safety_rules(monkeypatch, raw):
+    """The regions-mode programs of a 2-slot prefill and decode step, lowered as on Neuron: together they call every
+    model kernel of the registry, and each passes the compile-safety rules (neuron-notes §9) with its custom calls."""
+    config = ModelConfig.from_dict(raw)
+    nki_kernels.register_all()
+    monkeypatch.setattr(kernels, "_backend", lambda: "neuron")
+    nki.RECORDED.clear()          # recorded when a program is first traced (building the list traces some)
+    programs = _regions_programs(config)
+    texts = [prog.lower() for prog in programs]
+    for prog, lowered in zip(programs, texts):
+        report = check_lowered(lowered, name=prog.name, n_experts=config.n_routed_experts,
+                               decode=prog.bucket["step"] == "decode")
+        assert report.ok, report.format()
+    texts = [lowered.as_text() for lowered in texts]
+    assert sum(map(_n_calls, texts)) == len(nki.RECORDED)           # one custom call per kernel call traced
+    for text in texts:
+        _check_calls(text, nki.RECORDED)
+    names = {r["kernel"] for r in nki.RECORDED}
     assert names == MODEL_KERNELS, (MODEL_KERNELS - names, names - MODEL_KERNELS)
-
-
-def test_v41_decode_step_lowers_every_hot_op_to_nki_custom_calls(monkeypatch):
-    names = _check(*_neuron_and_cpu(monkeypatch, ModelConfig.from_dict(tiny_v41_config()), 2, 1))
-    assert names == MODEL_KERNELS, (MODEL_KERNELS - names, names - MODEL_KERNELS)
+    monkeypatch.undo()
+    cpu = _regions_programs(config)[-1].lower().as_text()               # the CPU dispatch: no neuron trace leaks
+    assert "custom_call" not in cpu
 
 
 def test_every_fp8_projection_outside_the_moe_is_one_gemm_call(monkeypatch):
@@ -96,7 +123,8 @@ def test_every_fp8_projection_outside_the_moe_is_one_gemm_call(monkeypatch):
     config = ModelConfig.from_dict(one_layer_config(head_dim=128, qk_rope_head_dim=64, index_head_dim=64,
                                                     quantization_config=QUANT))
     neuron, recorded, cpu = _neuron_and_cpu(monkeypatch, config, 1, 16)
-    _check(neuron, recorded, cpu)
+    assert "custom_call" not in cpu and _n_calls(neuron) == len(recorded)
+    _check_calls(neuron, recorded)
     params = abstract_params(config, build_plan(config), jnp.bfloat16)
     fp8_weights = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
                    if "codes" in jax.tree_util.keystr(p) and "['ffn']" not in jax.tree_util.keystr(p)]
