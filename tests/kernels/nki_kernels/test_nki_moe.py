@@ -210,6 +210,7 @@ def test_down_kernel(fmt, block, dtype, RE, I, d, N, rows):
         assert (np.abs(got[r] - want) <= 2 * gamma).all()
 
 
+@pytest.mark.skipif(not getattr(nki, "EMULATED", False), reason="the emulation's error; the real simulator's differs")
 def test_kernel_refuses_an_out_of_range_expert():
     """A tile id past the stack is a DMA out of bounds (oob_mode.error), not a silent read of other memory."""
     rng = np.random.default_rng(0)
@@ -390,6 +391,7 @@ def test_fp8_needs_trn2_codes():
         moe.shared_expert(jnp.ones((1, 128)), *ws, LIMIT, nx)
 
 
+@pytest.mark.skipif(not getattr(nki, "EMULATED", False), reason="the recording stand-in is the emulation's")
 def test_ops_lower_to_two_custom_calls_with_raw_codes():
     """Under jit the ops emit NKI's custom calls (kernel A, then B): the fp4 bytes and scales go in as uint8."""
     rng = np.random.default_rng(1)
