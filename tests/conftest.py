@@ -54,6 +54,42 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ.pop("JDEEP_TEST_COMPILE_CACHE"), ignore_errors=True)
 
 
+def _keeps_holes(folder: pathlib.Path) -> bool:
+    """Whether files in `folder` stay sparse: a 1 GiB file with one byte written at its end allocates < 1 MiB."""
+    probe = folder / ".sparse-probe"
+    try:
+        with open(probe, "wb") as f:
+            f.truncate(1 << 30)
+            f.seek((1 << 30) - 1)
+            f.write(b"\0")
+        return os.stat(probe).st_blocks * 512 < 1 << 20
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def sparse_dir(tmp_path):
+    """A folder whose files keep their holes, for the tests of tables larger than RAM in sparse files: the test's
+    tmp_path, else a folder in /dev/shm (tmpfs always keeps holes). Probed before anything large is written, so a
+    filesystem that would allocate the holes is never filled; without either, the test fails (it cannot show what
+    it is for) rather than skipping."""
+    if _keeps_holes(tmp_path):
+        yield tmp_path
+        return
+    shm = pathlib.Path("/dev/shm")
+    if shm.is_dir():
+        folder = pathlib.Path(tempfile.mkdtemp(prefix="jdeep-sparse-", dir=shm))
+        try:
+            if _keeps_holes(folder):
+                yield folder
+                return
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    pytest.fail(f"neither {tmp_path} nor /dev/shm keeps sparse files: the larger-than-RAM table tests need one")
+
+
 def golden_path(name: str) -> pathlib.Path:
     path = GOLDEN_DIR / name
     if not (path / "config.json").exists():
