@@ -99,10 +99,10 @@ def hc_mix_logits(X: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
     """The mHC mix logits (model-spec.md §4.2, §4.6): flat = X [..., n, d] as fp32 [..., n·d];
     mu = (flat · fnᵀ) · rsqrt(mean(flat²) + norm_eps) with fn [W, n·d] fp32 (W = (2+n)n, or n for the head)
     -> fp32 [..., W]."""
+    from ..layers.linear import linear_f32
+
     flat = X.reshape(X.shape[:-2] + (-1,)).astype(jnp.float32)
-    logits = jax.lax.dot_general(flat, fn.astype(jnp.float32), (((flat.ndim - 1,), (1,)), ((), ())),
-                                 precision=HIGHEST)
-    return logits * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    return linear_f32(flat, fn) * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
 
 
 @register("hc_collapse")

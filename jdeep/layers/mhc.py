@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import jax
 
+from .. import kernels
+
 __all__ = ["hc_mixes", "hc_split_sinkhorn", "hc_collapse", "hc_expand", "hc_head_collapse"]
-
-
-def _op(name: str):
-    from .. import kernels
-
-    return kernels.get(name)
 
 
 def hc_mixes(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
@@ -24,7 +20,7 @@ def hc_mixes(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, 
     fn [(2+n)n, n*d], base [(2+n)n], scale [3]. comb ends with a column normalisation.
     """
     n = X.shape[-2]
-    mu = _op("hc_mix_logits")(X, fn, norm_eps)
+    mu = kernels.get("hc_mix_logits")(X, fn, norm_eps)
     return hc_split_sinkhorn(mu, scale, base, n=n, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
 
 
@@ -32,22 +28,22 @@ def hc_split_sinkhorn(mu: jax.Array, scale: jax.Array, base: jax.Array, *, n: in
                       sinkhorn_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Mixes mu [..., (2+n)n] -> pre [..., n], post [..., n], comb [..., n, n] (fp32): the `hc_split_sinkhorn` hot
     op (kernels/reference.py; an NKI kernel on Neuron)."""
-    return _op("hc_split_sinkhorn")(mu, scale, base, n=n, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
+    return kernels.get("hc_split_sinkhorn")(mu, scale, base, n=n, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
 
 
 def hc_collapse(X: jax.Array, pre: jax.Array) -> jax.Array:
     """Σ_i pre_i X_i in fp32, cast to X's dtype: [..., n, d] -> [..., d] (the `hc_collapse` hot op)."""
-    return _op("hc_collapse")(X, pre)
+    return kernels.get("hc_collapse")(X, pre)
 
 
 def hc_expand(y: jax.Array, post: jax.Array, comb: jax.Array, X: jax.Array) -> jax.Array:
     """X'_k = post_k y + Σ_j comb[j, k] X_j  -> [..., n, d] in X's dtype (the `hc_expand` hot op)."""
-    return _op("hc_expand")(y, post, comb, X)
+    return kernels.get("hc_expand")(y, post, comb, X)
 
 
 def hc_head_collapse(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
                      hc_eps: float) -> jax.Array:
     """Final stream collapse before the norm and head: [..., n, d] -> [..., d]."""
-    mu = _op("hc_mix_logits")(X, fn, norm_eps)
+    mu = kernels.get("hc_mix_logits")(X, fn, norm_eps)
     pre = jax.nn.sigmoid(mu * scale[0] + base) + hc_eps
     return hc_collapse(X, pre)

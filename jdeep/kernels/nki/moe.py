@@ -222,17 +222,20 @@ def _project(slab, c: int, nn: int, sc, xin, m: int, s: _Stack):
     return acc
 
 
-def _tile_ids(tile_expert):
+def _row_tiles(src, tile_expert, rows: int, s: _Stack):
+    """Per row tile of src [N, K] (`rows` rows of one expert each): (first row, its rows m, a register holding the
+    tile's expert id, the rows as the moving operand [128 k, KT, nb·m])."""
+    N = src.shape[0]
     n_tiles = tile_expert.shape[0]
+    assert s.K == src.shape[1] and rows <= _P and n_tiles == -(-N // rows)
     ids = nl.ndarray((1, n_tiles), nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=ids, src=tile_expert.ap(pattern=[[n_tiles, 1], [1, n_tiles]]))
-    return ids
-
-
-def _tile_register(ids, t: int):
-    reg = nisa.register_alloc()
-    nisa.register_load(reg, ids[0:1, t:t + 1])
-    return reg
+    for t in range(n_tiles):
+        r0 = t * rows
+        m = min(rows, N - r0)
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, ids[0:1, t:t + 1])
+        yield r0, m, reg, _load_rows(src, r0, m, s)
 
 
 def expert_gate_up_kernel(x, row_weight, tile_expert, w1, w1_scale, w3, w3_scale, limit: float, rows: int,
@@ -241,18 +244,12 @@ def expert_gate_up_kernel(x, row_weight, tile_expert, w1, w1_scale, w3, w3_scale
     t·rows.. of one expert, an index into the stacks), w1, w3 [R·E, I, d] float, fp8 codes uint8 (scales uint8
     [R·E, ceil(I/bn), ceil(d/bk)]) or fp4 packed uint8 [R·E, I, d/2] (scales uint8 [R·E, I, d/32]); block = (bn, bk)
     -> a fp32 [N, I] = silu(min(x W1ᵀ, limit)) · clamp(x W3ᵀ, ±limit) · row_weight."""
-    N, d = x.shape
+    N = x.shape[0]
     s = _Stack(w1, w1_scale, fmt, block, x.dtype)
     I = s.N
-    assert s.K == d and rows <= _P and tile_expert.shape[0] == -(-N // rows)
     out = nl.ndarray((N, I), nl.float32, buffer=nl.shared_hbm)
-    ids = _tile_ids(tile_expert)
     shift = _fp4_shift() if fmt == "fp4" else None
-    for t in range(tile_expert.shape[0]):
-        r0 = t * rows
-        m = min(rows, N - r0)
-        reg = _tile_register(ids, t)
-        xin = _load_rows(x, r0, m, s)
+    for r0, m, reg, xin in _row_tiles(x, tile_expert, rows, s):
         wb = nl.ndarray((_P, m), nl.float32, buffer=nl.sbuf)             # the row weights on every partition
         nisa.dma_copy(dst=wb, src=row_weight.ap(pattern=[[0, _P], [1, m]], offset=r0))
         for c0 in range(0, I, _SLAB):
@@ -273,18 +270,12 @@ def expert_gate_up_kernel(x, row_weight, tile_expert, w1, w1_scale, w3, w3_scale
 def expert_down_kernel(a, tile_expert, w2, w2_scale, rows: int, fmt: str, block):
     """a [N, I] (bf16 / fp32, act-quantised), tile_expert int32 [ceil(N/rows)], w2 [R·E, d, I] (formats as in
     expert_gate_up_kernel) -> y fp32 [N, d] = a W2ᵀ."""
-    N, I = a.shape
+    N = a.shape[0]
     s = _Stack(w2, w2_scale, fmt, block, a.dtype)
     d = s.N
-    assert s.K == I and rows <= _P and tile_expert.shape[0] == -(-N // rows)
     out = nl.ndarray((N, d), nl.float32, buffer=nl.shared_hbm)
-    ids = _tile_ids(tile_expert)
     shift = _fp4_shift() if fmt == "fp4" else None
-    for t in range(tile_expert.shape[0]):
-        r0 = t * rows
-        m = min(rows, N - r0)
-        reg = _tile_register(ids, t)
-        ain = _load_rows(a, r0, m, s)
+    for r0, m, reg, ain in _row_tiles(a, tile_expert, rows, s):
         for c0 in range(0, d, _SLAB):
             cn = min(_SLAB, d - c0)
             slab = _load_slab(w2, reg, c0, cn, s, shift)
