@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 
-from .checkpoint import CheckpointError
+from .io.checkpoint import CheckpointError
 from .config import ConfigError, ModelConfig
-from .generate import GenerateOutput, forward, generate
-from .model import Model
+from .runtime.generate import GenerateOutput, forward, generate
+from .model.model import Model
 from .numerics import Numerics
-from .quantization import trn2_rescale
-from .serve.sampling import SamplingParams
+from .io.trn2_rescale import trn2_rescale
+from .runtime.sampling import SamplingParams
 
 __all__ = ["load", "generate", "forward", "Model", "ModelConfig", "GenerateOutput", "SamplingParams", "ConfigError",
            "CheckpointError"]
@@ -56,9 +56,9 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     import jax.numpy as jnp
     import numpy as np
 
-    from . import checkpoint
-    from . import platform as platforms
-    from .model import as_jax_dtype
+    from .io import checkpoint
+    from . import platforms
+    from .model.model import as_jax_dtype
     from .plan import build_plan
 
     path = os.fspath(path)
@@ -98,12 +98,12 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
                                             fp8_rescale=_rescaler(numerics))
     engram = None
     if config.engram is not None:
-        from .engram import EngramHost
+        from .io.engram_tables import EngramHost
 
         engram = EngramHost.load(path, config.engram)
     tokenizer = None
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        from .serve.tokenizer import Tokenizer
+        from .io.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(path)
     host_embed = None
@@ -115,7 +115,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     if pack_params:
         if mode != "scan":
             raise ValueError("pack_params applies to the scan compile mode (regions programs take few arguments)")
-        from .packing import pack_params as pack
+        from .arenas import pack_params as pack
 
         params = pack(params)
     sampler_device = None
@@ -137,7 +137,7 @@ def _load_sharded(path: str, config, plan, jdtype, numerics, layout, progress: b
     import numpy as np
     from jax.sharding import NamedSharding
 
-    from . import checkpoint
+    from .io import checkpoint
 
     def sharding_for(tree_path: tuple, shape: tuple) -> NamedSharding:
         return NamedSharding(layout.mesh, layout.param_spec(tree_path, shape))

@@ -19,7 +19,7 @@ def _parse_ids(text: str) -> list[int]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     import jdeep
-    from jdeep.random_weights import TINY_CONFIG, random_checkpoint, tiny_v41_config
+    from .tools.random_weights import TINY_CONFIG, random_checkpoint, tiny_v41_config
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -45,7 +45,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _sampling_from(args: argparse.Namespace, line: dict | None = None, index: int = 0):
     """Command-line sampling values, overridden by a prompts-file line's own (line i seeded seed + i)."""
-    from jdeep.serve import SamplingParams
+    from .serve import SamplingParams
 
     line = line or {}
     return SamplingParams(
@@ -57,7 +57,7 @@ def _sampling_from(args: argparse.Namespace, line: dict | None = None, index: in
 
 
 def _tokenizer(folder: str):
-    from jdeep.serve import Tokenizer
+    from .serve import Tokenizer
 
     try:
         return Tokenizer(folder)
@@ -98,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _generate_file(args: argparse.Namespace, model, tok) -> int:
     """Offline batch: one JSON object per line ({"prompt_ids": [...]} or {"prompt": "..."}, optional "id" and
     sampling fields), through the continuous-batching engine; one JSON line per request out, in input order."""
-    from jdeep.serve.engine import Engine
+    from .runtime.engine import Engine
 
     with open(args.prompts_file, encoding="utf-8") as f:
         lines = [ln for ln in f.read().splitlines() if ln.strip()]
@@ -175,9 +175,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """The OpenAI-compatible HTTP server (jdeep/serve/server.py) until SIGINT/SIGTERM."""
     import jdeep
-    from jdeep.serve.engine import Engine
-    from jdeep.serve.server import ServerSettings, serve
-    from jdeep.serve.tokenizer import Tokenizer
+    from .runtime.engine import Engine
+    from .serve.server import ServerSettings, serve
+    from .io.tokenizer import Tokenizer
 
     if args.num_processes not in (None, 1):
         raise ValueError("jdeep serve runs in one process (use --mesh over its local devices); multi-process "
@@ -209,11 +209,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import jdeep
-    from jdeep.random_weights import random_checkpoint
-    from jdeep.serve.bench import format_report, run_bench
+    from .tools.random_weights import random_checkpoint
+    from .tools.bench import format_report, run_bench
 
     if args.compare:
-        from jdeep.serve.compare import require_transformers
+        from .tools.compare import require_transformers
 
         try:
             require_transformers()
@@ -237,8 +237,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             random_checkpoint(raw, tmp, seed=args.seed, dtype=args.dtype)
             folder = tmp
         if args.compare:
-            from jdeep.config import ModelConfig
-            from jdeep.serve.compare import hf_config
+            from .config import ModelConfig
+            from .tools.compare import hf_config
 
             hf_config(ModelConfig.from_file(folder))     # an incomparable checkpoint fails before loading
         model = jdeep.load(folder, dtype=args.dtype, progress=True, compile_mode=args.compile_mode,
@@ -292,8 +292,8 @@ BENCH_DEFAULT_CONFIG = {
 def cmd_info(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from jdeep.config import ModelConfig, preset
-    from jdeep.info import summary
+    from .config import ModelConfig, preset
+    from .tools.info import summary
 
     planning = [f for f, v in (("--batch", args.batch), ("--max-len", args.max_len), ("--packed-kv", args.packed_kv))
                 if v not in (None, False)]
@@ -304,7 +304,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         if v is not None and v < 1:
             raise ValueError(f"{flag} must be a positive integer, got {v}")
     if args.mesh is not None:
-        from jdeep.sharding import parse_mesh
+        from .sharding import parse_mesh
 
         mesh = parse_mesh(args.mesh)   # a bad mesh fails before any work
     config = preset(args.preset) if args.preset else ModelConfig.from_file(args.model)
@@ -313,7 +313,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     dtype = np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16
     print(summary(config, dtype))
     if args.mesh is not None:
-        from jdeep.info import device_plan, mesh_summary
+        from .tools.info import device_plan, mesh_summary
 
         print()
         print(mesh_summary(device_plan(config, mesh, dtype, batch=args.batch or 1, max_len=args.max_len or 8192,
@@ -323,8 +323,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     import jdeep
-    from jdeep.checkpoint import save_converted
-    from jdeep.config import ModelConfig
+    from .io.checkpoint import save_converted
+    from .config import ModelConfig
 
     if ModelConfig.from_file(args.model).engram is not None:
         raise SystemExit("jdeep convert: models with Engram layers (DeepSeek-V4.1) cannot be converted yet; "
@@ -343,10 +343,10 @@ def _graph_target(args: argparse.Namespace):
     import ml_dtypes
     import numpy as np
 
-    from jdeep.config import ModelConfig, preset
-    from jdeep.graphs import Target
-    from jdeep.numerics import Numerics
-    from jdeep.plan import build_plan
+    from .config import ModelConfig, preset
+    from .tools.programs import Target
+    from .numerics import Numerics
+    from .plan import build_plan
 
     config = preset(args.preset) if args.preset else ModelConfig.from_file(args.model)
     numerics = Numerics.for_config(config, args.quantize_activations, args.fp8_max, args.packed_kv)
@@ -370,8 +370,8 @@ def _parse_ints(text: str, flag: str) -> list[int]:
 
 
 def cmd_check_graph(args: argparse.Namespace) -> int:
-    from jdeep.graphcheck import Limits, check_lowered
-    from jdeep.graphs import model_programs
+    from .tools.graphcheck import Limits, check_lowered
+    from .tools.programs import model_programs
 
     target = _graph_target(args)
     limits = Limits(max_args=args.max_args)
@@ -391,8 +391,8 @@ def cmd_check_graph(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from jdeep.export import export_programs, model_info
-    from jdeep.graphs import model_programs
+    from .tools.export import export_programs, model_info
+    from .tools.programs import model_programs
 
     target = _graph_target(args)
     programs = model_programs(target, _batch_sizes(args.batch_sizes), args.prefill_len, args.max_len)

@@ -22,8 +22,8 @@ import tempfile
 
 import numpy as np
 
-from jdeep.engram import EngramLayout, EngramTables, hash_ids
-from jdeep.memory import status_bytes
+from jdeep.io.engram_tables import EngramLayout, EngramTables, hash_ids
+from jdeep.tools.memory import status_bytes
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 HEAD_DIM = 256

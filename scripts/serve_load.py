@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jdeep.serve.loadgen import make_requests, run_load, summarize  # noqa: E402
+from jdeep.tools.loadgen import make_requests, run_load, summarize  # noqa: E402
 
 
 def main() -> int:
@@ -50,7 +50,7 @@ def main() -> int:
         stats = summarize(results, time.perf_counter() - t0)
     else:
         import jdeep
-        from jdeep.serve.engine import Engine
+        from jdeep.runtime.engine import Engine
         from jdeep.serve.server import ServerSettings, background_server
 
         model = jdeep.load(args.model)

@@ -121,7 +121,7 @@ def _release_compiled_programs():
 
     import jax
 
-    from jdeep import model, regions
+    from jdeep.model import model, regions
 
     model.compiled_step.cache_clear()
     model.compiled_rows_step.cache_clear()

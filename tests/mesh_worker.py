@@ -18,8 +18,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np  # noqa: E402
 
 import jdeep  # noqa: E402
-from jdeep import checkpoint  # noqa: E402
-from jdeep.random_weights import one_layer_config, random_checkpoint  # noqa: E402
+from jdeep.io import checkpoint  # noqa: E402
+from jdeep.tools.random_weights import one_layer_config, random_checkpoint  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 33, 100, 7, 3, 250, 17], [4, 8, 15, 16, 23, 42]]
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")

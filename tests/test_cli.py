@@ -8,7 +8,7 @@ import numpy as np
 
 import jdeep
 from jdeep.cli import main
-from jdeep.random_weights import TINY_CONFIG, one_layer_config, random_checkpoint
+from jdeep.tools.random_weights import TINY_CONFIG, one_layer_config, random_checkpoint
 from jdeep.serve import SamplingParams
 
 
@@ -53,7 +53,7 @@ def test_info_reports_v41_flash_sizes(capsys):
 
 
 def test_convert_refuses_engram_models(tmp_path):
-    from jdeep.random_weights import tiny_v41_config
+    from jdeep.tools.random_weights import tiny_v41_config
 
     random_checkpoint(tiny_v41_config(), str(tmp_path / "m"), seed=1)
     try:
@@ -115,7 +115,7 @@ def test_persistent_compile_cache(tmp_path):
 def test_chat_streams_the_reply(tmp_path, monkeypatch, capsys):
     import io
 
-    from jdeep.random_weights import write_word_tokenizer
+    from jdeep.tools.random_weights import write_word_tokenizer
     from jdeep.serve import Tokenizer
 
     random_checkpoint(TINY_CONFIG, str(tmp_path), seed=14)

@@ -15,7 +15,7 @@ from jdeep import ConfigError, ModelConfig
 from jdeep.config import PRESETS, AttentionKind, RopeConfig, YarnConfig, preset
 from jdeep.param_spec import layer_specs
 from jdeep.plan import build_plan, layer_kinds
-from jdeep.random_weights import TINY_CONFIG
+from jdeep.tools.random_weights import TINY_CONFIG
 
 # Same lookup as tests/conftest.py: ../shared/golden next to the repository, or $JDEEP_GOLDEN_DIR.
 GOLDEN = os.environ.get("JDEEP_GOLDEN_DIR",

@@ -16,7 +16,7 @@ import pytest
 
 import jdeep
 from conftest import golden_path
-from jdeep.testing import replay_layer, row_cosine, teacher_forced_logits
+from jdeep.tools.testing import replay_layer, row_cosine, teacher_forced_logits
 
 TOL = 1e-3
 NEAR_TIE = 0.05

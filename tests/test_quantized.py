@@ -10,8 +10,8 @@ import jdeep
 from jdeep.config import ConfigError
 from jdeep.kernels import codecs
 from jdeep.layers.linear import dequant
-from jdeep.quantization import halving_lut, trn2_rescale
-from jdeep.random_weights import TINY_CONFIG, random_checkpoint
+from jdeep.io.trn2_rescale import halving_lut, trn2_rescale
+from jdeep.tools.random_weights import TINY_CONFIG, random_checkpoint
 from jdeep.state import state_bytes
 
 # two layers (a ratio-4 layer with indexer, a ratio-16 one; hash routing on the first): every
@@ -127,7 +127,7 @@ def test_fp8_max_240_load_decodes_to_the_same_weights(qfolder):
 
 def test_param_bytes_stay_quantized():
     from jdeep.config import preset
-    from jdeep.info import param_bytes_by_dtype
+    from jdeep.tools.info import param_bytes_by_dtype
 
     pb = param_bytes_by_dtype(preset("v4-flash"), "bfloat16")
     assert pb["uint8"] > 0.9 * sum(pb.values())

@@ -17,9 +17,9 @@ import pytest
 from conftest import GOLDEN_DIR, REPO, golden_path
 
 import jdeep
-from jdeep.checkpoint import padded_experts
+from jdeep.io.checkpoint import padded_experts
 from jdeep.config import ModelConfig, preset
-from jdeep.random_weights import one_layer_config, random_checkpoint
+from jdeep.tools.random_weights import one_layer_config, random_checkpoint
 from jdeep.sharding import AXES, Layout, make_mesh, parse_mesh
 
 TOL = 1e-4   # float32 logits, sharded vs single device (the bound)

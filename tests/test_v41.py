@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import jdeep
-from jdeep.checkpoint import write_safetensors
-from jdeep.memory import status_bytes
-from jdeep.random_weights import random_checkpoint, tiny_v41_config
+from jdeep.io.checkpoint import write_safetensors
+from jdeep.tools.memory import status_bytes
+from jdeep.tools.random_weights import random_checkpoint, tiny_v41_config
 
 PROMPTS = [[0, 5, 6, 7, 8], list(range(3, 40)), [0] + list(range(100, 120))]
 

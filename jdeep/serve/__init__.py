@@ -2,7 +2,7 @@
 continuous-batching engine (engine.py), the benchmark harness (bench.py) and the OpenAI-compatible HTTP server
 (server.py, on async_engine.py, openai_protocol.py, metrics.py)."""
 
-from .sampling import SamplingParams, sample
-from .tokenizer import IncrementalDetokenizer, Tokenizer, chat_prompt
+from ..runtime.sampling import SamplingParams, sample
+from ..io.tokenizer import IncrementalDetokenizer, Tokenizer, chat_prompt
 
 __all__ = ["SamplingParams", "sample", "Tokenizer", "IncrementalDetokenizer", "chat_prompt"]

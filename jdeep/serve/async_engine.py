@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .engine import Engine
-from .sampling import SamplingParams
+from ..runtime.engine import Engine
+from ..runtime.sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "Delta", "RequestHandle"]
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .sampling import SamplingParams
+from ..runtime.sampling import SamplingParams
 
 __all__ = ["APIError", "GenerationRequest", "ServingContext", "parse_completion", "parse_chat",
            "completion_response", "chat_response", "completion_chunk", "chat_chunk", "usage"]

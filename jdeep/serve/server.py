@@ -31,11 +31,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from .async_engine import AsyncEngine, RequestHandle
-from .engine import Engine
+from ..runtime.engine import Engine
 from .metrics import Counter, Gauge, Histogram, Registry
 from .openai_protocol import (APIError, GenerationRequest, ServingContext, chat_chunk, chat_response,
                               completion_chunk, completion_response, parse_chat, parse_completion, usage, usage_chunk)
-from .stops import StopMatcher
+from ..runtime.stops import StopMatcher
 
 __all__ = ["ServerSettings", "build_app", "serve", "make_server", "background_server"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jdeep.random_weights import write_word_tokenizer
+from jdeep.tools.random_weights import write_word_tokenizer
 from jdeep.serve import SamplingParams
 from jdeep.serve.openai_protocol import APIError, ServingContext, parse_chat, parse_completion
-from jdeep.serve.tokenizer import Tokenizer
+from jdeep.io.tokenizer import Tokenizer
 
 V, MAX_LEN = 512, 64
 

@@ -15,10 +15,10 @@ import openai
 import pytest
 
 import jdeep
-from jdeep.random_weights import write_word_tokenizer
-from jdeep.serve.engine import Engine
+from jdeep.tools.random_weights import write_word_tokenizer
+from jdeep.runtime.engine import Engine
 from jdeep.serve.server import ServerSettings, background_server
-from jdeep.serve.tokenizer import Tokenizer
+from jdeep.io.tokenizer import Tokenizer
 from conftest import golden_path
 
 KEY = "test-key"

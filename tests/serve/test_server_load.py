@@ -15,10 +15,10 @@ import openai
 import pytest
 
 import jdeep
-from jdeep.random_weights import TINY_CONFIG, one_layer_config, random_checkpoint
+from jdeep.tools.random_weights import TINY_CONFIG, one_layer_config, random_checkpoint
 from jdeep.serve import SamplingParams
-from jdeep.serve.engine import Engine
-from jdeep.serve.loadgen import make_requests, run_load, summarize
+from jdeep.runtime.engine import Engine
+from jdeep.tools.loadgen import make_requests, run_load, summarize
 from jdeep.serve.server import ServerSettings, background_server
 
 ENGINE = dict(max_num_seqs=8, max_len=64, prefill_chunk=16)

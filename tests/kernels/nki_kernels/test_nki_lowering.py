@@ -17,15 +17,17 @@ import jax.numpy as jnp
 import pytest
 
 import nki
-from jdeep import graphs, kernels, regions
-from jdeep.checkpoint import abstract_params
+from jdeep.tools import programs as graphs
+from jdeep import kernels
+from jdeep.model import regions
+from jdeep.io.checkpoint import abstract_params
 from jdeep.config import ModelConfig
-from jdeep.graphcheck import check_lowered
+from jdeep.tools.graphcheck import check_lowered
 from jdeep.kernels import nki as nki_kernels
-from jdeep.model import model_step
+from jdeep.model.model import model_step
 from jdeep.numerics import Numerics
 from jdeep.plan import build_plan
-from jdeep.random_weights import TINY_CONFIG, one_layer_config, tiny_v41_config
+from jdeep.tools.random_weights import TINY_CONFIG, one_layer_config, tiny_v41_config
 from jdeep.state import init_state
 
 pytestmark = pytest.mark.skipif(not getattr(nki, "EMULATED", False), reason="the recording stand-in is the emulation's")

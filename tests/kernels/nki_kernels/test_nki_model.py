@@ -24,7 +24,7 @@ import nki
 from conftest import golden_path
 from jdeep import kernels
 from jdeep.kernels import nki as nki_kernels
-from jdeep.model import model_step
+from jdeep.model.model import model_step
 
 pytestmark = pytest.mark.skipif(not getattr(nki, "EMULATED", False), reason="host execution is the emulation's")
 

@@ -1,0 +1,301 @@
+"""Continuous batching over a fixed pool of sequence slots.
+
+The decode state is allocated once for `max_num_seqs` slots (a power of two) and `max_len` tokens.
+Requests wait in a queue, take a free slot (its rows of the state are reset, nothing is reallocated),
+prefill in chunks, decode one token per engine step alongside every other running request, and leave
+their slot when they meet their length, a stop token, EOS or a stop string. A step runs the smallest
+power-of-two prefix of the slots that holds every active request (a batch-size bucket; requests take the
+lowest free slot), with one compiled program per (bucket, chunk length) — decode: [bucket, 1], prefill:
+[bucket, chunk bucket]; idle rows inside the bucket carry position -1, so they neither write state nor
+disturb the others: a request's tokens do not depend on its company. (Models with Engram layers always
+step the whole pool: their host-side n-gram histories are per pool row.)
+
+Bad requests (invalid sampling values, out-of-vocabulary ids, prompts that do not fit) finish at once
+with finish_reason "error" and a message; the engine keeps serving the rest. `check_request` runs the same
+validation without queueing (a server answers 400 with it); `abort` ends a request and frees its slot at
+once; `release` drops a finished request's record (a long-running server keeps none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from .generate import length_bucket, validate_prompts
+from ..model.model import Model
+from ..state import reset_slots
+from .sampling import SamplingBatch, SamplingParams, batch_params, sample
+from .stops import StopMatcher
+
+__all__ = ["Engine", "RequestOutput"]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None     # "stop" (stop token / EOS / stop string), "length", "abort" or "error"
+    error: str | None = None
+    text: str | None = None              # the generated text (cut before a stop string), given a tokenizer
+
+
+@dataclass
+class _Slot:
+    out: RequestOutput
+    params: SamplingParams
+    stops: tuple[int, ...]
+    matcher: StopMatcher | None = None   # stop strings
+    prefilled: int = 0                   # prompt tokens already in the state
+
+
+_reset = jax.jit(reset_slots, donate_argnums=(0,))
+_sample = jax.jit(sample)
+
+
+class Engine:
+    """engine = Engine(model, max_num_seqs=8); engine.add_request(ids, SamplingParams(...)); engine.run()."""
+
+    def __init__(self, model: Model, max_num_seqs: int = 8, max_len: int = 2048, prefill_chunk: int = 256,
+                 seed: int = 0, ignore_eos: bool = False, tokenizer=None):
+        """tokenizer: for text prompts, stop strings and RequestOutput.text (default: model.tokenizer)."""
+        if max_num_seqs < 1 or max_len < 2 or prefill_chunk < 1:
+            raise ValueError(f"max_num_seqs, max_len and prefill_chunk must be positive, got {max_num_seqs}, "
+                             f"{max_len}, {prefill_chunk}")
+        if max_len > model.config.max_position_embeddings:
+            raise ValueError(f"max_len {max_len} exceeds max_position_embeddings {model.config.max_position_embeddings}")
+        self.model = model
+        self.n_slots = 1 << (max_num_seqs - 1).bit_length()
+        self.max_len = max_len
+        self.chunk = prefill_chunk
+        self.seed = seed
+        self.eos = () if ignore_eos or model.config.eos_token_id is None else (model.config.eos_token_id,)
+        self.state = model.init_state(self.n_slots, length_bucket(max_len, 256))
+        self.history = model.new_history(self.n_slots)
+        self.slots: list[_Slot | None] = [None] * self.n_slots
+        self.waiting: deque[_Slot] = deque()
+        self.outputs: dict[str, RequestOutput] = {}
+        self._ids = itertools.count()
+        self._n_added = 0                             # requests ever added (default seeds)
+        self._params = [SamplingParams()] * self.n_slots
+        self._sb = None
+        self._last = np.zeros(self.n_slots, np.int32)
+        self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        self.steps_per_bucket: dict[int, int] = {}    # engine steps run at each batch-size bucket
+
+    # ------------------------------------------------------------------ requests
+    def check_request(self, prompt: Sequence[int] | str, sampling: SamplingParams | None = None
+                      ) -> tuple[np.ndarray, SamplingParams]:
+        """Validate a request without queueing it: (prompt ids int32 [T], sampling params), or ValueError
+        naming the problem (bad ids, text without a tokenizer, bad sampling values, too long for max_len).
+        Reads only the model's config and tokenizer: safe to call from another thread."""
+        (ids,) = validate_prompts(self.model, [prompt], self.tokenizer)
+        p = (sampling or SamplingParams()).validate(self.model.config.vocab_size)
+        if p.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (the model has no tokenizer.json): use stop_token_ids")
+        if len(ids) + p.max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
+                             f"engine's max_len {self.max_len}")
+        return ids, p
+
+    def add_request(self, prompt: Sequence[int] | str, sampling: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request (token ids, or text with a tokenizer); returns its id. An invalid request is
+        finished at once with an error. A request_id already in use is a ValueError."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.outputs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        out = RequestOutput(rid, _as_ids(prompt))
+        self.outputs[rid] = out
+        self._n_added += 1
+        try:
+            ids, p = self.check_request(prompt, sampling)
+            out.prompt = ids.tolist()
+        except ValueError as e:
+            out.finished, out.finish_reason, out.error = True, "error", str(e)
+            return rid
+        if p.seed is None:
+            p = dataclasses.replace(p, seed=self.seed + self._n_added - 1)
+        matcher = StopMatcher(self.tokenizer, p.stop) if p.stop else None
+        self.waiting.append(_Slot(out, p, tuple(dict.fromkeys(tuple(p.stop_token_ids) + self.eos)), matcher))
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """End a waiting or running request now (finish_reason "abort"); its slot is free for the next step.
+        Returns False if the request is unknown or already finished."""
+        out = self.outputs.get(request_id)
+        if out is None or out.finished:
+            return False
+        for s in self.waiting:
+            if s.out is out:
+                self.waiting.remove(s)
+                break
+        else:
+            for i, s in enumerate(self.slots):
+                if s is not None and s.out is out:
+                    self.slots[i] = None
+                    break
+        out.finished, out.finish_reason = True, "abort"
+        return True
+
+    def reset(self) -> None:
+        """Abort every request and allocate a fresh decode state (after a failed step, whose donated state
+        may be gone)."""
+        for s in list(self.waiting) + [s for s in self.slots if s is not None]:
+            self.abort(s.out.request_id)
+        self.state = self.model.init_state(self.n_slots, length_bucket(self.max_len, 256))
+        self.history = self.model.new_history(self.n_slots)
+
+    def release(self, request_id: str) -> RequestOutput | None:
+        """Forget a finished request's record (returns it); a request still in flight is aborted first."""
+        self.abort(request_id)
+        return self.outputs.pop(request_id, None)
+
+    @property
+    def n_running(self) -> int:
+        """Requests holding a slot (prefilling or decoding)."""
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    # ------------------------------------------------------------------ stepping
+    def _admit(self) -> None:
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        taken = []
+        while free and self.waiting:
+            i = free.pop(0)
+            self.slots[i] = self.waiting.popleft()
+            self._params[i] = self.slots[i].params
+            taken.append(i)
+        if taken:
+            mask = np.zeros(self.n_slots, bool)
+            mask[taken] = True
+            self.state = _reset(self.state, self.model.put(mask))
+            if self.history is not None:
+                self.history.reset(taken)
+            self._sb = self._host_batch(self._params)
+
+    def _host_batch(self, params: list[SamplingParams]) -> SamplingBatch:
+        """Sampling values on the host: a bucket's rows are a numpy slice, not a device program."""
+        return SamplingBatch(*(np.asarray(a) for a in batch_params(params, len(params))))
+
+    def _bucket(self, rows: list[int]) -> int:
+        """The batch-size bucket holding `rows`: the smallest power of two > max(rows) (the pool without one)."""
+        if self.model.engram is not None:
+            return self.n_slots
+        return min(self.n_slots, 1 << max(rows).bit_length())
+
+    def _run(self, toks: np.ndarray, pos: np.ndarray, rows: list[int]) -> jax.Array:
+        """One step of the bucket holding `rows` (toks, pos: [n_slots, S]); returns logits [bucket, V]."""
+        n = self._bucket(rows)
+        self.steps_per_bucket[n] = self.steps_per_bucket.get(n, 0) + 1
+        toks, pos = toks[:n], pos[:n]
+        eng = self.model.engram_inputs(self.history, toks, pos)
+        step = self.model.step_fn(all_logits=False, rows=None if n == self.n_slots else n)
+        logits, self.state = step(self.model.params, self.state, self.model.put(toks), self.model.put(pos), eng)
+        return logits
+
+    def _emit(self, logits: jax.Array, rows: list[int]) -> list[RequestOutput]:
+        n = logits.shape[0]
+        counts = np.array([len(s.out.tokens) if s is not None else 0 for s in self.slots[:n]], np.int32)
+        sb = self._sb if n == self.n_slots else SamplingBatch(*(a[:n] for a in self._sb))
+        nxt = self.model.fetch(_sample(*self.model.to_sampler((logits, sb, counts))))
+        done = []
+        for i in rows:
+            s = self.slots[i]
+            t = int(nxt[i])
+            s.out.tokens.append(t)
+            self._last[i] = t
+            reason = "stop" if t in s.stops else ("length" if len(s.out.tokens) >= s.params.max_new_tokens else None)
+            if s.matcher is not None:
+                s.matcher.push([t])
+                if s.matcher.stopped:
+                    reason = "stop"
+            if reason:
+                self._finish(s, reason)
+                self.slots[i] = None
+                done.append(s.out)
+        return done
+
+    def _finish(self, s: _Slot, reason: str) -> None:
+        s.out.finished, s.out.finish_reason = True, reason
+        if s.matcher is not None and s.matcher.stopped:
+            s.out.text = s.matcher.text
+        elif self.tokenizer is not None:
+            s.out.text = self.tokenizer.decode(s.out.tokens)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration: admit waiting requests, then either one prefill chunk (while any admitted
+        prompt is incomplete) or one decode step for every running request. Returns requests finished now."""
+        self._admit()
+        prefilling = [i for i, s in enumerate(self.slots) if s is not None and s.prefilled < len(s.out.prompt)]
+        if prefilling:
+            n = {i: min(self.chunk, len(self.slots[i].out.prompt) - self.slots[i].prefilled) for i in prefilling}
+            S = length_bucket(max(n.values()))
+            toks = np.zeros((self.n_slots, S), np.int32)
+            pos = np.full((self.n_slots, S), -1, np.int32)
+            for i, k in n.items():
+                s = self.slots[i]
+                toks[i, :k] = s.out.prompt[s.prefilled:s.prefilled + k]
+                pos[i, :k] = np.arange(s.prefilled, s.prefilled + k)
+                s.prefilled += k
+            logits = self._run(toks, pos, prefilling)
+            return self._emit(logits, [i for i in prefilling if self.slots[i].prefilled == len(self.slots[i].out.prompt)])
+        running = [i for i, s in enumerate(self.slots) if s is not None]
+        if not running:
+            return []
+        toks = np.where([s is not None for s in self.slots], self._last, 0).astype(np.int32)[:, None]
+        pos = np.full((self.n_slots, 1), -1, np.int32)
+        for i in running:
+            s = self.slots[i]
+            pos[i, 0] = len(s.out.prompt) + len(s.out.tokens) - 1
+        return self._emit(self._run(toks, pos, running), running)
+
+    def warmup(self) -> int:
+        """Compile every program serving can reach before the first request: for each batch-size bucket, the
+        decode step, each prefill chunk-length bucket and the sampler. Rows carry position -1, so the state
+        and the requests in it are untouched. Returns the number of programs run."""
+        buckets = sorted({self._bucket([n - 1]) for n in (1 << k for k in range(self.n_slots.bit_length()))})
+        lengths = sorted({1} | {length_bucket(k) for k in range(1, self.chunk + 1)})
+        counts = dict(self.steps_per_bucket)
+        self.state = _reset(self.state, self.model.put(np.zeros(self.n_slots, bool)))
+        for n in buckets:
+            for S in lengths:
+                toks = np.zeros((self.n_slots, S), np.int32)
+                logits = self._run(toks, np.full((self.n_slots, S), -1, np.int32), [n - 1])
+            sb = self._host_batch([SamplingParams()] * n)
+            jax.block_until_ready(_sample(*self.model.to_sampler((logits, sb, np.zeros(n, np.int32)))))
+        self.steps_per_bucket = counts
+        return len(buckets) * (len(lengths) + 1)
+
+    def run(self, on_finish: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:
+        """Step until every queued request has finished; returns all outputs by request id."""
+        for out in self.outputs.values():
+            if out.finished and on_finish is not None:
+                on_finish(out)
+        while self.has_work:
+            for out in self.step():
+                if on_finish is not None:
+                    on_finish(out)
+        return self.outputs
+
+
+def _as_ids(prompt) -> list[int]:
+    """The prompt as a list of ints for the output record ([] if it is not one; validation reports why)."""
+    try:
+        return [int(t) for t in prompt] if not isinstance(prompt, (str, bytes)) else []
+    except (TypeError, ValueError):
+        return []

@@ -1,0 +1,95 @@
+"""Every program jdeep compiles for a model, as (name, jitted function, abstract arguments): what
+`jdeep check-graph` checks and `jdeep export` writes.
+
+A step is lowered per batch-size bucket B: prefill (a chunk of `prefill_len` tokens) and decode (one token),
+on a state of B slots and `max_len` tokens. In the scan mode that is one program per step; in the regions
+mode the step's distinct region programs (embed, attn.<kind>, ffn.<moe>, head). Arguments are
+jax.ShapeDtypeStruct built from the config alone (no weights are read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from ..io.checkpoint import abstract_params
+from ..config import ModelConfig
+from ..model.model import Model, compiled_step
+from ..numerics import Numerics
+from ..arenas import is_packed, pack_params
+from ..plan import LayerPlan
+from ..model.regions import regions_step
+from ..state import init_state
+
+__all__ = ["Target", "Program", "model_programs"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to build programs for."""
+
+    config: ModelConfig
+    plan: LayerPlan
+    numerics: Numerics
+    dtype: Any
+    compile_mode: str = "scan"
+    host_embedding: bool = False
+    packed_params: bool = False      # scan mode: per-layer tensors in arenas (packing.py)
+
+    @classmethod
+    def of(cls, model: Model) -> "Target":
+        return cls(model.config, model.plan, model.numerics, model.dtype, model.compile_mode,
+                   model.host_embed is not None, is_packed(model.params))
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str            # e.g. "b4.decode" (scan) or "b4.decode.attn.csa.r2" (regions)
+    fn: Callable         # the jitted function
+    args: tuple          # abstract arguments (pytrees of jax.ShapeDtypeStruct)
+    bucket: dict         # {"batch": B, "seq": S, "step": "prefill" | "decode", "max_len": max_len}
+
+    def lower(self) -> jax.stages.Lowered:
+        return self.fn.lower(*self.args)
+
+
+def _spec(tree):
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def step_inputs(t: Target, B: int, S: int, max_len: int) -> tuple:
+    """Abstract (params, state, tokens, positions, engram, embeds) of a step over B slots and S tokens."""
+    params = abstract_params(t.config, t.plan, t.dtype)
+    if t.host_embedding:
+        params = {k: v for k, v in params.items() if k != "embed"}
+    if t.packed_params:
+        params = pack_params(params)
+    state = jax.eval_shape(lambda: init_state(t.config, t.plan, B, max_len, t.dtype, t.numerics))
+    ids = jax.ShapeDtypeStruct((B, S), jnp.int32)
+    engram = None
+    if t.config.engram is not None:
+        e = t.config.engram
+        lead = (len(e.layer_ids), B, S, e.rows_per_token)
+        engram = (jax.ShapeDtypeStruct(lead + (e.head_dim,), jnp.uint8),
+                  jax.ShapeDtypeStruct(lead + (e.head_dim // 32,), jnp.uint8))
+    embeds = jax.ShapeDtypeStruct((B, S, t.config.dim), t.dtype) if t.host_embedding else None
+    return params, state, ids, ids, engram, embeds
+
+
+def model_programs(t: Target, batch_sizes=(1,), prefill_len: int = 64, max_len: int = 256) -> list[Program]:
+    """The programs of prefill and decode steps for every batch bucket, in call order, without duplicates."""
+    out = []
+    for B in batch_sizes:
+        for step, S in (("prefill", prefill_len), ("decode", 1)):
+            bucket = {"batch": B, "seq": S, "step": step, "max_len": max_len}
+            args = step_inputs(t, B, S, max_len)
+            name = f"b{B}.{step}"
+            if t.compile_mode == "scan":
+                out.append(Program(name, compiled_step(t.config, t.plan, t.numerics, False), args, bucket))
+            else:
+                rs = regions_step(t.config, t.plan, t.numerics, False)
+                out += [Program(f"{name}.{n}", fn, a, bucket) for n, fn, a in rs.programs(*args)]
+    return out

@@ -1,0 +1,233 @@
+"""Seeded random checkpoints in DeepSeek's real format (config.json + safetensors under the original
+tensor names), for tests, demos and benchmarks that need no download."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ..io.checkpoint import write_safetensors
+from ..config import ModelConfig
+from ..kernels import codecs
+from ..param_spec import (F32, FP4, FP4_BLOCK, FP8, FP8_DEQUANT, INDEX, TensorSpec, engram_table_specs, layer_specs,
+                         top_specs)
+from ..plan import layer_kinds
+
+__all__ = ["TINY_CONFIG", "deep_tiny_config", "tiny_v41_config", "random_tensor", "random_checkpoint", "write_word_tokenizer"]
+
+# A small model with every layer kind (sliding, ratio-4 CSA with indexer, ratio-16 HCA, hash MoE).
+TINY_CONFIG: dict[str, Any] = {
+    "model_type": "deepseek_v4", "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 64, "o_groups": 2,
+    "o_lora_rank": 32, "sliding_window": 16,
+    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                    "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    "num_hash_layers": 2, "index_n_heads": 16, "index_head_dim": 32, "index_topk": 4, "hc_mult": 4,
+    "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "moe_intermediate_size": 64, "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus", "swiglu_limit": 10.0, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 256,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1,
+}
+
+
+def deep_tiny_config(n_repeats: int) -> dict[str, Any]:
+    """TINY_CONFIG's kinds at depth 2 + 2 * n_repeats: sliding/hash, CSA/hash, then (HCA, CSA) repeated (for tests
+    that the compiled programs do not grow with depth)."""
+    raw = dict(TINY_CONFIG)
+    raw["layer_types"] = ["sliding_attention", "compressed_sparse_attention"] + \
+        ["heavily_compressed_attention", "compressed_sparse_attention"] * n_repeats
+    raw["num_hidden_layers"] = len(raw["layer_types"])
+    return raw
+
+
+def one_layer_config(**overrides: Any) -> dict[str, Any]:
+    """TINY_CONFIG cut to one layer of compressed sparse attention (compressor and indexer) with a top-k MoE:
+    the cheapest model to compile that still runs the richest attention kind (tests)."""
+    return dict(TINY_CONFIG, layer_types=["compressed_sparse_attention"], num_hidden_layers=1, num_hash_layers=0,
+                **overrides)
+
+
+def tiny_v41_config(engram_vocab_size: int = 400, quantized: bool = True) -> dict[str, Any]:
+    """A small DeepSeek-V4.1 HF config with every V4.1 layer kind: sliding, ratio-2 and ratio-1 KV sources,
+    layers reusing a top-k, index sources, the candidate source and a restricted index source, two Engram
+    layers. Its tokenizer (write_word_tokenizer) has one class per id, so the compressed vocab is the vocab.
+    The Engram tables' rows follow from engram_vocab_size (the hash primes)."""
+    from ..io.engram_tables import EngramLayout
+
+    vocab, layers, max_ngram, heads = 512, [1, 4], 3, 4
+    rows = EngramLayout.create(layers, max_ngram, heads, engram_vocab_size, vocab, 0).table_rows
+    text = {
+        "model_type": "deepseek_v41_text", "vocab_size": vocab, "hidden_size": 128, "moe_intermediate_size": 64,
+        "num_hidden_layers": 8, "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 32, "q_lora_rank": 64,
+        "o_lora_rank": 32, "o_groups": 2, "swiglu_limit": 10.0, "rms_norm_eps": 1e-20, "max_position_embeddings": 4096,
+        "rope_theta": 10000, "rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
+                                              "original_max_position_embeddings": 64},
+        "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "scoring_func": "sqrtsoftplus",
+        "routed_scaling_factor": 1.5, "sliding_window": 8, "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1],
+        "compress_rope_theta": 160000, "kv_source_layer_ids": [2, 5], "index_source_layer_ids": [2, 4, 5, 7],
+        "index_n_heads": 4, "index_head_dim": 32, "index_topk": 4, "candidate_source_layer_id": 5,
+        "candidate_topk_blocks": 2, "candidate_block_size": 4, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+        "engram_layer_ids": layers, "engram_num_embeddings": list(rows), "engram_max_ngram_size": max_ngram,
+        "engram_vocab_size": engram_vocab_size, "engram_n_heads": heads, "engram_head_dim": 32,
+        "engram_pad_token_id": 2, "engram_compressed_vocab_size": vocab, "num_nextn_predict_layers": 0,
+    }
+    raw = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "bos_token_id": 0,
+           "eos_token_id": 1, "pad_token_id": 2, "text_config": text}
+    if quantized:
+        raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+    return raw
+
+
+def write_word_tokenizer(path: str, vocab_size: int, chat_markers: bool = False) -> None:
+    """A word-level tokenizer.json whose ids 0..vocab_size-1 decode to distinct words `tok<i>`. chat_markers:
+    ids 0..5 are DeepSeek's chat markers instead (BOS, EOS, User, Assistant, <think>, </think>; special tokens),
+    so `Tokenizer.chat` works on it."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from ..io.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
+
+    markers = [BOS, EOS, USER, ASSISTANT, THINK, END_THINK] if chat_markers else []
+    vocab = {f"tok{i}": i for i in range(len(markers), vocab_size)}
+    vocab.update({m: i for i, m in enumerate(markers)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=f"tok{len(markers)}"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if markers:
+        tok.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in markers])
+    tok.save(path)
+
+
+def random_tensor(rng: np.random.Generator, spec: TensorSpec, config: ModelConfig) -> np.ndarray:
+    """A float32 (or int64 for tid2eid) tensor with scales that keep activations well-conditioned."""
+    name, shape = spec.name, spec.shape
+    if spec.kind == INDEX:  # tid2eid: distinct experts per token id
+        E = config.n_routed_experts
+        return np.argsort(rng.random((shape[0], E)), axis=1)[:, : shape[1]].astype(np.int64)
+    last = name.split(".")[-1]
+    if last.startswith("hc_"):
+        if last.endswith("_fn"):
+            return rng.normal(0, 0.5 / np.sqrt(shape[1]), shape).astype(np.float32)
+        if last.endswith("_base"):
+            return rng.normal(0, 0.5, shape).astype(np.float32)
+        return rng.uniform(0.5, 1.5, shape).astype(np.float32)
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * rng.normal(size=shape)).astype(np.float32)
+    if name.endswith("attn_sink"):
+        return rng.normal(0, 1, shape).astype(np.float32)
+    if name.endswith(".ape"):
+        return rng.normal(0, 0.5, shape).astype(np.float32)
+    if name.endswith("gate.bias"):
+        return rng.normal(0, 0.1, shape).astype(np.float32)
+    if name == "embed.weight":
+        return rng.normal(0, 1, shape).astype(np.float32)
+    if name == "head.weight":
+        return rng.normal(0, 2.0 / np.sqrt(shape[1]), shape).astype(np.float32)
+    return rng.normal(0, 1.0 / np.sqrt(shape[-1]), shape).astype(np.float32)
+
+
+def _quantize(w: np.ndarray, spec: TensorSpec) -> dict[str, np.ndarray]:
+    """float32 [N, K] -> the checkpoint tensors DeepSeek ships for it (fp8 + e8m0 block scales, or
+    packed fp4 as int8 + e8m0 per-32 scales), scales 2^ceil(log2(amax / format max)), round to nearest even."""
+    N, K = w.shape
+    if spec.fmt == FP4:
+        blocks = w.reshape(N, K // FP4_BLOCK, FP4_BLOCK)
+        amax = np.maximum(np.abs(blocks).max(-1), 6.0 * 2.0 ** -126)
+        e = codecs.ceil_log2(np, (amax / 6.0).astype(np.float32))
+        codes = codecs.e2m1_encode(np, (blocks / codecs.pow2(np, e)[..., None]).reshape(N, K).astype(np.float32))
+        packed = codecs.pack_e2m1(np, codes).astype(np.uint8).view(np.int8)
+        return {spec.name: packed, spec.scale_name: (e + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)}
+    bn, bk = spec.block
+    gn, gk = -(-N // bn), -(-K // bk)
+    pad = np.zeros((gn * bn, gk * bk), np.float32)
+    pad[:N, :K] = w
+    amax = np.maximum(np.abs(pad.reshape(gn, bn, gk, bk)).max(axis=(1, 3)), 1e-30)
+    e = codecs.ceil_log2(np, (amax / 448.0).astype(np.float32))
+    scale = np.repeat(np.repeat(codecs.pow2(np, e), bn, 0), bk, 1)[:N, :K]
+    codes = codecs.e4m3_encode(np, (w / scale).astype(np.float32)).astype(np.uint8)
+    return {spec.name: codes.view(ml_dtypes.float8_e4m3fn),
+            spec.scale_name: (e + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)}
+
+
+def _all_specs(config: ModelConfig):
+    for spec in top_specs(config):
+        yield spec.name, spec
+    for layer, kind in enumerate(layer_kinds(config)):
+        for spec in layer_specs(config, kind):
+            yield f"layers.{layer}.{spec.name}", spec
+
+
+def _engram_tables(rng: np.random.Generator, config: ModelConfig, sparse: bool) -> tuple[dict, dict]:
+    """Random Engram tables (fp8 codes of N(0,1) values, e8m0 scales), or holes when `sparse`."""
+    tensors, holes = {}, {}
+    for name, code_shape, scale_shape in engram_table_specs(config):
+        if sparse:
+            holes[name + ".weight"] = (ml_dtypes.float8_e4m3fn, code_shape)
+            holes[name + ".scale"] = (ml_dtypes.float8_e8m0fnu, scale_shape)
+            continue
+        # fp8 e4m3 rows with one e8m0 scale per 32 codes (model-spec.md §6.2)
+        w = rng.normal(0, 1, code_shape).astype(np.float32)
+        blocks = w.reshape(code_shape[0], -1, 32)
+        e = codecs.ceil_log2(np, (np.maximum(np.abs(blocks).max(-1), 1e-30) / 448.0).astype(np.float32))
+        codes = codecs.e4m3_encode(np, (blocks / codecs.pow2(np, e)[..., None]).reshape(code_shape).astype(np.float32))
+        tensors[name + ".weight"] = codes.astype(np.uint8).view(ml_dtypes.float8_e4m3fn)
+        tensors[name + ".scale"] = (e + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+    return tensors, holes
+
+
+def random_checkpoint(config: ModelConfig | dict, folder: str, seed: int = 0, dtype: str = "float32",
+                      n_shards: int = 1, sparse_engram: bool = False) -> ModelConfig:
+    """Write config.json and seeded random weights (float32 or bfloat16) to `folder`; a config with a
+    quantization_config gets DeepSeek's fp8/fp4 tensors (uint8 codes with e8m0 scales), as released.
+
+    With n_shards > 1 the tensors are split over several files plus model.safetensors.index.json.
+    V4.1 models with Engram also get a tokenizer.json (write_word_tokenizer) and their Engram tables in
+    `engram.safetensors`; with `sparse_engram` the tables are holes of a sparse file (zeros, no disk space).
+    """
+    if isinstance(config, dict):
+        raw = dict(config)
+        config = ModelConfig.from_dict(raw)
+    else:
+        raw = config.to_dict()
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, spec in _all_specs(config):
+        full = dataclasses.replace(spec, name=name)
+        t = random_tensor(rng, full, config)
+        if spec.fmt in (FP8, FP8_DEQUANT, FP4):
+            tensors.update(_quantize(t, full))
+            continue
+        if dtype == "bfloat16" and spec.kind not in (F32, INDEX):
+            t = t.astype(ml_dtypes.bfloat16)
+        tensors[name] = t
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(raw, f, indent=2)
+    extra_files = {}
+    if config.engram is not None:
+        write_word_tokenizer(os.path.join(folder, "tokenizer.json"), config.engram.compressed_vocab_size)
+        tables, holes = _engram_tables(rng, config, sparse_engram)
+        write_safetensors(os.path.join(folder, "engram.safetensors"), tables, holes=holes)
+        extra_files = {n: "engram.safetensors" for n in list(tables) + list(holes)}
+    names = list(tensors)
+    if n_shards <= 1:
+        write_safetensors(os.path.join(folder, "model.safetensors"), tensors)
+        return config   # without an index.json every *.safetensors file of the folder is read
+    weight_map = {}
+    for s in range(n_shards):
+        fn = f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::n_shards]}
+        write_safetensors(os.path.join(folder, fn), part)
+        weight_map.update({n: fn for n in part})
+    weight_map.update(extra_files)
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    return config

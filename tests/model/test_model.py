@@ -1,0 +1,58 @@
+"""Self-consistency of the cached model for any compress ratio: the logits of chunked prefill and of
+step-by-step decode equal a single no-cache forward over the same tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jdeep
+from jdeep.tools.random_weights import TINY_CONFIG, random_checkpoint
+
+CONFIGS = {
+    # DeepSeek spelling: ratio 4 overlaps and has an indexer, other ratios pool plainly.
+    "ratios_1_3_4_7": {"compress_ratios": [1, 3, 4, 7, 0, 0], "num_hidden_layers": 5, "num_hash_layers": 1},
+    # transformers spelling: an overlapping indexed ratio-2 layer kind and a ratio-1 layer kind.
+    "csa2_hca1": {"layer_types": ["compressed_sparse_attention", "heavily_compressed_attention",
+                                  "sliding_attention", "compressed_sparse_attention"],
+                  "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 1},
+                  "num_hidden_layers": 4, "num_hash_layers": 0},
+}
+
+
+# the second config is slow-marked: the compressor unit tests (tests/layers/test_compressor.py) cover
+# overlapping and plain pooling at several ratios, and the first config runs ratios 1, 3, 4 and 7 end to end
+@pytest.fixture(scope="module", params=["ratios_1_3_4_7", pytest.param("csa2_hca1", marks=pytest.mark.slow)])
+def model(request, tmp_path_factory):
+    raw = {k: v for k, v in TINY_CONFIG.items() if k not in ("layer_types", "compress_rates")}
+    raw.update(CONFIGS[request.param])
+    raw["index_topk"] = 3
+    folder = tmp_path_factory.mktemp(request.param)
+    random_checkpoint(raw, str(folder), seed=5)
+    return jdeep.load(folder)
+
+
+def test_decode_and_chunked_prefill_equal_forward(model):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 512, size=n).tolist() for n in (37, 5)]
+    out = jdeep.generate(model, prompts, max_new_tokens=12, return_logits=True, prefill_chunk=8)
+    for b, prompt in enumerate(prompts):
+        seq = prompt + out.tokens[b, :-1].tolist()
+        full = jdeep.forward(model, seq)
+        rows = full[len(prompt) - 1:]
+        np.testing.assert_allclose(out.logits[b], rows, atol=2e-5, rtol=0)
+        # the greedy choice is the forward's argmax (up to exact ties)
+        np.testing.assert_array_equal(out.tokens[b], np.argmax(rows, axis=-1))
+
+
+def test_invalid_inputs_are_rejected(model):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        jdeep.generate(model, [[0, 1, model.config.vocab_size]])
+    with pytest.raises(ValueError, match="non-empty"):
+        jdeep.generate(model, [[]])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        jdeep.generate(model, [[0, 1]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        jdeep.generate(model, [[0, 1]], temperature=-1.0)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        jdeep.generate(model, [[0, 1]], max_new_tokens=model.config.max_position_embeddings)
