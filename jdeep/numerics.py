@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import ConfigError, ModelConfig
-from .kernels.codecs import E4M3FN_MAX, E4M3_TRN2_MAX
+from .kernels.codecs import E4M3_TRN2_MAX, E4M3FN_MAX
 from .param_spec import FP4_BLOCK, weight_formats
 
 __all__ = ["Numerics"]

@@ -18,17 +18,24 @@ Quantized checkpoints (a `quantization_config`, model-spec.md §6.2) keep their 
 an fp8 linear becomes {"codes": uint8 [N, K], "scale": uint8 [ceil(N/bn), ceil(K/bk)]} (e4m3 codes,
 ue8m0 exponent bytes), an fp4 linear {"packed": uint8 [N, K/2], "scale": uint8 [N, K/32]} (two e2m1
 codes per byte, low nibble first). `wo_a` is the exception: dequantised at load, as DeepSeek's converter does.
+
+The second half builds the tree's layout from these specs: every leaf's stacked shape and dtype (`_leaf_plan`),
+its path (`tree_path`), abstract trees (`abstract_params`) and the expert padding of a mesh (`padded_experts`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
 
 from .config import ModelConfig
-from .plan import REUSE, LayerKind
+from .plan import REUSE, LayerKind, LayerPlan
 
 __all__ = ["TensorSpec", "layer_specs", "top_specs", "tree_leaves", "engram_table_specs", "F32", "WEIGHT", "INDEX",
-           "FLOAT", "FP8", "FP4", "FP8_DEQUANT", "FP4_BLOCK"]
+           "FLOAT", "FP8", "FP4", "FP8_DEQUANT", "FP4_BLOCK", "abstract_params", "tree_path", "padded_experts"]
 
 WEIGHT = "weight"  # stored in the model dtype (float32 or bfloat16)
 F32 = "f32"        # kept float32 whatever the model dtype (mHC, sinks, position bias, gate bias)
@@ -226,3 +233,70 @@ def engram_table_specs(c: ModelConfig) -> list[tuple[str, tuple[int, int], tuple
     e = c.engram
     return [(f"layers.{layer}.engram.embed", (rows, e.head_dim), (rows, e.head_dim // 32))
             for layer, rows in zip(e.layer_ids, e.num_embeddings)]
+
+
+# ---------------------------------------------------------------------------- the param tree's layout
+_LEAF_DTYPES = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32), "u8": np.dtype(np.uint8)}
+
+
+def _leaf_dtype(cls: str, dtype: Any) -> np.dtype:
+    """The numpy dtype of a leaf of dtype class `cls` (tree_leaves) in a model of float dtype `dtype`."""
+    return _LEAF_DTYPES.get(cls, np.dtype(dtype))
+
+
+def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def _leaf_plan(config: ModelConfig, plan: LayerPlan) -> dict[tuple, tuple[tuple[int, ...], str]]:
+    """Every tree leaf: key (("top",) | ("seg", s, slot)) + path -> (full shape, dtype class)."""
+    leaves: dict[tuple, tuple[tuple[int, ...], str]] = {}
+    for spec in top_specs(config):
+        for path, shape, cls in tree_leaves(spec):
+            leaves[("top",) + path] = (shape, cls)
+    for s, seg in enumerate(plan.segments):
+        for slot, kind in enumerate(seg.pattern):
+            for spec in layer_specs(config, kind):
+                if spec.expert not in (None, 0):
+                    continue
+                extra = (config.n_routed_experts,) if spec.expert is not None else ()
+                for path, shape, cls in tree_leaves(spec):
+                    leaves[("seg", s, slot) + path] = ((seg.reps,) + extra + shape, cls)
+    return leaves
+
+
+def _empty_tree(plan: LayerPlan) -> dict:
+    """The param tree's skeleton: one empty layer tree per segment slot."""
+    return {"segments": [[{} for _ in seg.pattern] for seg in plan.segments]}
+
+
+def _put(params: dict, key: tuple, value: Any) -> None:
+    """Set the leaf of `_leaf_plan` key `key` in the param tree."""
+    if key[0] == "top":
+        _set_path(params, key[1:], value)
+    else:
+        _set_path(params["segments"][key[1]][key[2]], key[3:], value)
+
+
+def _build_tree(config: ModelConfig, plan: LayerPlan, dtype: Any, make: Callable[[tuple, np.dtype], Any]) -> dict:
+    params = _empty_tree(plan)
+    for key, (shape, cls) in _leaf_plan(config, plan).items():
+        _put(params, key, make(shape, _leaf_dtype(cls, dtype)))
+    return params
+
+
+def abstract_params(config: ModelConfig, plan: LayerPlan, dtype: Any) -> dict:
+    """The param tree as jax.ShapeDtypeStruct leaves (for restore targets and lowering)."""
+    return _build_tree(config, plan, dtype, lambda shape, dt: jax.ShapeDtypeStruct(shape, dt))
+
+
+def tree_path(key: tuple) -> tuple:
+    """A leaf key of `_leaf_plan` as its path in the param tree (("embed",), ("segments", s, slot, ...))."""
+    return key[1:] if key[0] == "top" else ("segments",) + key[1:]
+
+
+def padded_experts(n_experts: int, expert_axis: int) -> int:
+    """The routed-expert count rounded up to a multiple of the mesh's expert axis (zero experts pad it)."""
+    return -(-n_experts // expert_axis) * expert_axis

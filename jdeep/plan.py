@@ -1,7 +1,10 @@
 """Grouping of the layer stack into homogeneous, scannable segments.
 
 A layer's *kind* is its attention kind plus whether its MoE is hash-routed: layers of one kind have
-identical parameter and state shapes. The stack is cut into segments; each segment repeats a short
+identical parameter and state shapes. The kind also carries what differs between the model families, so one
+block serves both: where the compressed caches live (V4: per layer; V4.1: per KV source, shared), when the
+mHC pre-mix is applied (V4: by the half that computes it; V4.1: by the next half) and the V4.1 indexer role
+and Engram update. The stack is cut into segments; each segment repeats a short
 pattern of kinds (`pattern`) `reps` times, so it runs as one `lax.scan` of `reps` steps whose body
 applies the pattern. V4-Flash, for example, becomes [sliding/hash]x2, [csa4/hash]x1, [hca128, csa4]x20:
 the compiled program holds four layer bodies (five blocks) whatever the depth.
@@ -41,6 +44,8 @@ class LayerKind:
     hash_moe: bool
     shared: SharedRole | None = None   # V4.1 compressed layers
     engram: bool = False               # V4.1 Engram update of the streams before the block
+    shared_kv: bool = False            # V4.1: own sliding window only; compressed KV / index keys in state["sources"]
+    delayed_premix: bool = False       # V4.1: each half collapses its input with the previous half's pre-mix
 
     @property
     def name(self) -> str:
@@ -69,6 +74,25 @@ class Segment:
 class LayerPlan:
     segments: tuple[Segment, ...]
 
+    @property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        return tuple(k for seg in self.segments for k in seg.pattern)
+
+    @property
+    def delayed_premix(self) -> bool:
+        """Whether the streams are collapsed with a pre-mix carried from the previous half (V4.1), which then
+        also collapses them before the head; else each half and the head compute their own (V4)."""
+        return any(k.delayed_premix for k in self.kinds)
+
+    @property
+    def shared_kv(self) -> bool:
+        """Whether layers publish top-k selections to later layers (V4.1 cross-layer sharing)."""
+        return any(k.shared_kv for k in self.kinds)
+
+    @property
+    def has_engram(self) -> bool:
+        return any(k.engram for k in self.kinds)
+
     def locate(self, layer: int) -> tuple[int, int, int]:
         """Backbone layer index -> (segment, slot, rep)."""
         for s, seg in enumerate(self.segments):
@@ -95,7 +119,8 @@ def _shared_role(config: ModelConfig, layer: int) -> SharedRole | None:
 
 def layer_kinds(config: ModelConfig) -> list[LayerKind]:
     engram = set(config.engram.layer_ids) if config.engram else set()
-    return [LayerKind(a, h, _shared_role(config, i), i in engram)
+    shared, delayed = config.sharing is not None, config.is_v41
+    return [LayerKind(a, h, _shared_role(config, i), i in engram, shared_kv=shared, delayed_premix=delayed)
             for i, (a, h) in enumerate(zip(config.attention_kinds, config.hash_moe))]
 
 

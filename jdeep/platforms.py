@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import MutableMapping
 
+import jax
+
 from .kernels.codecs import E4M3_TRN2_MAX, E4M3FN_MAX
 
 __all__ = ["Platform", "current", "platform_for", "neuron_generation", "neuron_cc_flags", "configure_neuron",
@@ -73,8 +75,6 @@ def platform_for(name: str, generation: str = "trn2") -> Platform:
 
 def current() -> Platform:
     """The platform of JAX's default backend (initialises JAX's backends)."""
-    import jax
-
     name = jax.default_backend()
     return platform_for(name, neuron_generation() if name == "neuron" else "")
 

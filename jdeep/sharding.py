@@ -25,7 +25,8 @@ from typing import Any, Mapping
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 __all__ = ["AXES", "parse_mesh", "make_mesh", "Layout", "param_logical_axes", "EXPERT_INTER_BLOCK"]
 

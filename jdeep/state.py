@@ -50,12 +50,12 @@ def slot_state_shapes(config: ModelConfig, kind: LayerKind, reps: int, batch: in
     D, W = config.head_dim, config.window_size
     kv_row, kv_dtype = (D, dtype)
     if numerics is not None and numerics.packed_kv:
-        kv_row = (window_record_bytes(D, numerics.kv_block) if config.is_v41 else
+        kv_row = (window_record_bytes(D, numerics.kv_block) if kind.shared_kv else
                   record_bytes(D, config.rope_head_dim, numerics.kv_block, np.dtype(dtype).itemsize))
         kv_dtype = jnp.uint8
     shapes = {"window": ((reps, batch, W + 1, kv_row), kv_dtype)}
     m = kind.attn.ratio
-    if m > 0 and not config.is_v41:
+    if m > 0 and not kind.shared_kv:      # shared-KV layers read their source's caches in state["sources"]
         c = 2 if kind.attn.overlap else 1
         rc = c * m
         tc = max_len // m
@@ -80,8 +80,9 @@ def source_index(config: ModelConfig, layer: int) -> tuple[str, int]:
 
 def source_state_shapes(config: ModelConfig, batch: int, max_len: int, dtype: Any, numerics: Numerics | None = None
                         ) -> dict[str, dict[str, tuple[tuple[int, ...], Any]]]:
-    """V4.1 shared compressed caches per compress ratio (empty for V4); uint8 records with packed_kv."""
-    if not config.is_v41:
+    """V4.1 shared compressed caches per compress ratio (empty without cross-layer sharing, V4); uint8 records with
+    packed_kv."""
+    if config.sharing is None:
         return {}
     D, DI = config.head_dim, config.index_head_dim
     packed = numerics is not None and numerics.packed_kv

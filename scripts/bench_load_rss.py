@@ -22,7 +22,7 @@ import json, resource, sys, time
 import jax, jax.numpy as jnp
 jnp.zeros(1).block_until_ready()          # start the runtime before measuring the baseline
 import jdeep
-from jdeep.memory import status_bytes
+from jdeep.tools.memory import status_bytes
 base = status_bytes("VmRSS")
 t0 = time.perf_counter()
 model = jdeep.load(sys.argv[1], dtype=sys.argv[2])
@@ -36,7 +36,7 @@ print(json.dumps({"baseline_rss": base, "peak_rss": status_bytes("VmHWM"), "fina
 
 def bench_config(target_gb: float) -> dict:
     """A V4-shaped config (head_dim 512, rope 64, fp8 128x128 blocks, fp4 experts) scaled to ~target_gb."""
-    from jdeep.tools.random_weights import TINY_CONFIG
+    from jdeep.presets import TINY_CONFIG
 
     layers = max(2, round(3 * target_gb))
     return dict(TINY_CONFIG, vocab_size=32768, hidden_size=2048, num_hidden_layers=layers,

@@ -2,7 +2,7 @@
 
 Writes a sparse safetensors file holding DeepSeek-V4.1's two released Engram tables (layers 1 and 14,
 384006168 / 384016682 rows of 256 fp8 codes + 8 e8m0 scale bytes: ~189 GiB logical, ~1 MiB on disk),
-fills a few known rows, opens it with jdeep.engram.EngramTables, gathers the row ids of a random chunk
+fills a few known rows, opens it with jdeep.io.engram_tables.EngramTables, gathers the row ids of a random chunk
 (some pointed at the known rows), checks the bytes, and reports the resident set size before and after
 the gather against the table size and the pages the gathered rows cover.
 

@@ -121,11 +121,8 @@ def _release_compiled_programs():
 
     import jax
 
-    from jdeep.model import model, regions
+    from jdeep.model.cache import PROGRAMS
 
-    model.compiled_step.cache_clear()
-    model.compiled_rows_step.cache_clear()
-    regions.regions_step.cache_clear()
-    regions._PROGRAMS.clear()
+    PROGRAMS.clear()
     jax.clear_caches()
     gc.collect()

@@ -18,8 +18,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np  # noqa: E402
 
 import jdeep  # noqa: E402
-from jdeep.io import checkpoint  # noqa: E402
-from jdeep.tools.random_weights import one_layer_config, random_checkpoint  # noqa: E402
+from jdeep.io import safetensors  # noqa: E402
+from jdeep.param_spec import padded_experts  # noqa: E402
+from jdeep.presets import one_layer_config  # noqa: E402
+from jdeep.tools.random_weights import random_checkpoint  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 33, 100, 7, 3, 250, 17], [4, 8, 15, 16, 23, 42]]
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")
@@ -59,7 +61,7 @@ def _local_ops(folder: str, mesh: str) -> dict:
 
     cfg = ModelConfig.from_file(os.path.join(folder, "config.json"))
     sizes = parse_mesh(mesh)
-    n_local = checkpoint.padded_experts(cfg.n_routed_experts, sizes["expert"]) // sizes["expert"]
+    n_local = padded_experts(cfg.n_routed_experts, sizes["expert"]) // sizes["expert"]
     per_shard = len(PROMPTS) // sizes["data"]
     return {"prefill": _local_routed_op(cfg, per_shard * 16, n_local), "decode": _local_routed_op(cfg, per_shard, n_local)}
 
@@ -87,7 +89,7 @@ def lowered_collectives(folder: str, mesh: str) -> dict:
 def bytes_read(folder: str, mesh: str) -> dict:
     """Bytes each checkpoint tensor is read while loading sharded (positioned reads and memory-map copies)."""
     reads: dict[str, int] = {}
-    orig_range, orig_view = checkpoint.SafetensorsFile.read_range, checkpoint.SafetensorsFile.view
+    orig_range, orig_view = safetensors.SafetensorsFile.read_range, safetensors.SafetensorsFile.view
 
     def read_range(self, name, start, stop):
         reads[name] = reads.get(name, 0) + (stop - start)
@@ -97,12 +99,12 @@ def bytes_read(folder: str, mesh: str) -> dict:
         arr = orig_view(self, name, random_access)
         return _CountingView(arr, name, reads)
 
-    checkpoint.SafetensorsFile.read_range, checkpoint.SafetensorsFile.view = read_range, view
+    safetensors.SafetensorsFile.read_range, safetensors.SafetensorsFile.view = read_range, view
     try:
         jdeep.load(folder, mesh=mesh)
     finally:
-        checkpoint.SafetensorsFile.read_range, checkpoint.SafetensorsFile.view = orig_range, orig_view
-    reader = checkpoint.CheckpointReader(folder)
+        safetensors.SafetensorsFile.read_range, safetensors.SafetensorsFile.view = orig_range, orig_view
+    reader = safetensors.CheckpointReader(folder)
     sizes = {n: reader.entry(n).end - reader.entry(n).start for n in reader.keys()}
     return {"read": reads, "sizes": sizes}
 

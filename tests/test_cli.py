@@ -7,9 +7,10 @@ import json
 import numpy as np
 
 import jdeep
+from jdeep import SamplingParams
 from jdeep.cli import main
-from jdeep.tools.random_weights import TINY_CONFIG, one_layer_config, random_checkpoint
-from jdeep.serve import SamplingParams
+from jdeep.presets import TINY_CONFIG, one_layer_config
+from jdeep.tools.random_weights import random_checkpoint
 
 
 def test_generate_prints_the_same_tokens_as_the_api(tmp_path, capsys):
@@ -53,7 +54,7 @@ def test_info_reports_v41_flash_sizes(capsys):
 
 
 def test_convert_refuses_engram_models(tmp_path):
-    from jdeep.tools.random_weights import tiny_v41_config
+    from jdeep.presets import tiny_v41_config
 
     random_checkpoint(tiny_v41_config(), str(tmp_path / "m"), seed=1)
     try:
@@ -115,8 +116,8 @@ def test_persistent_compile_cache(tmp_path):
 def test_chat_streams_the_reply(tmp_path, monkeypatch, capsys):
     import io
 
+    from jdeep.io.tokenizer import Tokenizer
     from jdeep.tools.random_weights import write_word_tokenizer
-    from jdeep.serve import Tokenizer
 
     random_checkpoint(TINY_CONFIG, str(tmp_path), seed=14)
     write_word_tokenizer(str(tmp_path / "tokenizer.json"), 512)

@@ -12,10 +12,10 @@ import warnings
 import pytest
 
 from jdeep import ConfigError, ModelConfig
-from jdeep.config import PRESETS, AttentionKind, RopeConfig, YarnConfig, preset
+from jdeep.config import AttentionKind, RopeConfig, YarnConfig
 from jdeep.param_spec import layer_specs
 from jdeep.plan import build_plan, layer_kinds
-from jdeep.tools.random_weights import TINY_CONFIG
+from jdeep.presets import PRESETS, TINY_CONFIG, preset
 
 # Same lookup as tests/conftest.py: ../shared/golden next to the repository, or $JDEEP_GOLDEN_DIR.
 GOLDEN = os.environ.get("JDEEP_GOLDEN_DIR",

@@ -22,7 +22,7 @@ import pytest
 from conftest import golden_path
 
 import jdeep
-from jdeep.model.model import model_step
+from jdeep.model import model_step
 from jdeep.tools.testing import row_cosine, teacher_forced_logits
 
 TOL = 1e-4          # fp32 end to end without quantisation (observed <= 4e-5)

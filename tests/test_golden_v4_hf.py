@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import golden_path
 
 import jdeep
-from conftest import golden_path
 
 TOL = 1e-3
 

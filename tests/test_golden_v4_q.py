@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import golden_path
 
 import jdeep
-from conftest import golden_path
 from jdeep.tools.testing import replay_layer, row_cosine, teacher_forced_logits
 
 TOL = 1e-3

@@ -8,11 +8,12 @@ import pytest
 
 import jdeep
 from jdeep.config import ConfigError
-from jdeep.kernels import codecs
-from jdeep.layers.linear import dequant
 from jdeep.io.trn2_rescale import halving_lut, trn2_rescale
-from jdeep.tools.random_weights import TINY_CONFIG, random_checkpoint
+from jdeep.kernels import codecs
+from jdeep.kernels.linear import dequant
+from jdeep.presets import TINY_CONFIG
 from jdeep.state import state_bytes
+from jdeep.tools.random_weights import random_checkpoint
 
 # two layers (a ratio-4 layer with indexer, a ratio-16 one; hash routing on the first): every
 # quantized code path, and small enough to compile quickly
@@ -126,7 +127,7 @@ def test_fp8_max_240_load_decodes_to_the_same_weights(qfolder):
 
 
 def test_param_bytes_stay_quantized():
-    from jdeep.config import preset
+    from jdeep.presets import preset
     from jdeep.tools.info import param_bytes_by_dtype
 
     pb = param_bytes_by_dtype(preset("v4-flash"), "bfloat16")

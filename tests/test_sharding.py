@@ -17,10 +17,11 @@ import pytest
 from conftest import GOLDEN_DIR, REPO, golden_path
 
 import jdeep
-from jdeep.io.checkpoint import padded_experts
-from jdeep.config import ModelConfig, preset
-from jdeep.tools.random_weights import one_layer_config, random_checkpoint
+from jdeep.config import ModelConfig
+from jdeep.param_spec import padded_experts
+from jdeep.presets import one_layer_config, preset
 from jdeep.sharding import AXES, Layout, make_mesh, parse_mesh
+from jdeep.tools.random_weights import random_checkpoint
 
 TOL = 1e-4   # float32 logits, sharded vs single device (the bound)
 

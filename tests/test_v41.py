@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 on seeded random checkpoints (jdeep.random_weights.tiny_v41_config: every V4.1 layer kind,
+"""DeepSeek-V4.1 on seeded random checkpoints (jdeep.presets.tiny_v41_config: every V4.1 layer kind,
 geometry different from the golden): cached decode of a ragged batch with chunked prefill equals a
 no-cache forward; a checkpoint whose Engram tables are several times the machine's RAM loads and reads
 only the rows it uses; drafter / vision tensors load; bad checkpoints fail with clear errors."""
@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 import jdeep
-from jdeep.io.checkpoint import write_safetensors
+from jdeep.io.safetensors import write_safetensors
+from jdeep.presets import tiny_v41_config
 from jdeep.tools.memory import status_bytes
-from jdeep.tools.random_weights import random_checkpoint, tiny_v41_config
+from jdeep.tools.random_weights import random_checkpoint
 
 PROMPTS = [[0, 5, 6, 7, 8], list(range(3, 40)), [0] + list(range(100, 120))]
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+from tokenizers import Regex, Tokenizer, normalizers
 
-if TYPE_CHECKING:
-    from .checkpoint import CheckpointReader
+from .safetensors import CheckpointReader
 
 __all__ = [
     "LAYER_SEED_PRIME",
@@ -41,8 +41,6 @@ _SENTINEL = "\ue000"
 
 # ---------------------------------------------------------------------------- token map
 def _normalizer() -> Any:
-    from tokenizers import Regex, normalizers
-
     return normalizers.Sequence([
         normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
         normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), _SENTINEL),
@@ -61,8 +59,6 @@ def build_token_map(tokenizer_json_path: str | os.PathLike, expected_classes: in
     share one dictionary; classes are numbered in order of first appearance over ids 0, 1, 2, ...
     Raises ValueError when `expected_classes` is given and the class count differs.
     """
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(tokenizer_json_path))
     norm = _normalizer()
     n_vocab = tok.get_vocab_size(with_added_tokens=True)
@@ -319,14 +315,12 @@ class EngramTables:
     (F8_E8M0 [rows, head_dim/32]; U8 accepted for either) of each Engram layer, kept on the host as
     read-only memory maps.
 
-    source: a jdeep.checkpoint.CheckpointReader or a checkpoint folder. With `layout`, each table's rows
+    source: a jdeep.io.safetensors.CheckpointReader or a checkpoint folder. With `layout`, each table's rows
     must equal layout.table_rows. Only the pages of gathered rows are ever read."""
 
     def __init__(self, source: CheckpointReader | str | os.PathLike, layer_ids: Sequence[int],
                  layout: EngramLayout | None = None):
         if isinstance(source, (str, os.PathLike)):
-            from .checkpoint import CheckpointReader
-
             source = CheckpointReader(str(source))
         self.layer_ids = tuple(int(x) for x in layer_ids)
         if layout is not None and layout.layer_ids != self.layer_ids:
@@ -349,7 +343,7 @@ class EngramTables:
         wname, sname = f"layers.{layer}.engram.embed.weight", f"layers.{layer}.engram.embed.scale"
         wfile, w = _find_view(source, wname)
         sfile, s = _find_view(source, sname)
-        # U8 (raw bytes) is accepted too, as jdeep.checkpoint.validate_checkpoint does
+        # U8 (raw bytes) is accepted too, as jdeep.io.checkpoint.validate_checkpoint does
         if w.dtype not in ("F8_E4M3", "U8") or len(w.shape) != 2 or w.shape[1] % SCALE_BLOCK:
             raise ValueError(f"tensor {wname!r} must be F8_E4M3 [rows, head_dim] with head_dim a multiple of "
                              f"{SCALE_BLOCK}, got {w.dtype} {list(w.shape)}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import Iterable, Sequence
 
+from tokenizers import Tokenizer as _Tok
+
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "chat_prompt"]
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -52,8 +54,6 @@ class Tokenizer:
     """A tokenizer.json (Hugging Face `tokenizers`) with DeepSeek's chat format."""
 
     def __init__(self, path: str | os.PathLike):
-        from tokenizers import Tokenizer as _Tok
-
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")

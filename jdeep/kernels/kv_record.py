@@ -17,8 +17,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import codecs, register
+from . import codecs
 from .quant import act_quant
+from .registry import register
 
 __all__ = ["record_bytes", "encode_kv_record", "decode_kv_record"]
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import codecs, register
+from . import codecs
 from .quant import FP4_AMAX_FLOOR, FP4E4_AMAX_FLOOR, _blocks, act_quant, act_scale
+from .registry import register
 
 __all__ = ["window_record_bytes", "ckv_record_bytes", "ikey_record_bytes", "encode_window", "decode_window",
            "encode_ckv", "decode_ckv", "encode_ikey", "decode_ikey"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from . import codecs, register
+from . import codecs
+from .registry import register
 
 __all__ = ["act_scale", "act_quant", "fp8_fake_quant", "fp4_fake_quant", "hadamard", "dequant_fp8", "dequant_fp4"]
 
@@ -107,10 +107,3 @@ def dequant_fp4(packed: jax.Array, scale: jax.Array, dtype, block: int = 32) -> 
     s = jnp.repeat(codecs.ue8m0_decode(jnp, scale), block, axis=-1)
     return (w * s).astype(dtype)
 
-
-def hadamard_matrix(n: int) -> np.ndarray:
-    """Sylvester-ordered ±1 matrix (float64), for tests and host code."""
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h

@@ -8,7 +8,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import register
+from .linear import dequant, linear_f32
+from .quant import dequant_fp8, fp8_fake_quant
+from .registry import register
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -99,8 +101,6 @@ def hc_mix_logits(X: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
     """The mHC mix logits (model-spec.md §4.2, §4.6): flat = X [..., n, d] as fp32 [..., n·d];
     mu = (flat · fnᵀ) · rsqrt(mean(flat²) + norm_eps) with fn [W, n·d] fp32 (W = (2+n)n, or n for the head)
     -> fp32 [..., W]."""
-    from ..layers.linear import linear_f32
-
     flat = X.reshape(X.shape[:-2] + (-1,)).astype(jnp.float32)
     return linear_f32(flat, fn) * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
 
@@ -140,8 +140,6 @@ def fp8_linear(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple[in
                ) -> jax.Array:
     """x [..., K] · Wᵀ for fp8 codes W [N, K] with ue8m0 block scales [ceil(N/bn), ceil(K/bk)]: W decoded to x's
     dtype (exact), fp32 accumulation, result [..., N] in x's dtype."""
-    from .quant import dequant_fp8
-
     w = dequant_fp8(codes, scale, block, x.dtype, trn2)
     y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=HIGHEST,
                             preferred_element_type=jnp.float32)
@@ -151,8 +149,6 @@ def fp8_linear(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple[in
 # ---------------------------------------------------------------- MoE: routed experts, shared expert
 def _act(x: jax.Array, numerics, quantized: bool) -> jax.Array:
     """The GEMM input as DeepSeek's numerics see it: fp8 act_quant before a quantized weight."""
-    from .quant import fp8_fake_quant
-
     if quantized and numerics is not None and numerics.quantize_activations:
         return fp8_fake_quant(x, numerics.act_block, numerics.fp8_max)
     return x
@@ -163,8 +159,6 @@ def _weights(w, select, numerics, dtype) -> jax.Array:
     picks the wanted rows (only the chosen experts are decoded)."""
     if not isinstance(w, dict):
         return select(w)
-    from ..layers.linear import dequant
-
     return dequant({k: select(v) for k, v in w.items()}, numerics, dtype)
 
 

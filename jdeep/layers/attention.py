@@ -10,11 +10,11 @@ import numpy as np
 
 from .. import kernels
 from ..config import AttentionKind, ModelConfig
+from ..kernels.quant import fp8_fake_quant
+from ..numerics import Numerics
 from .chunk import Chunk
 from .compressor import compress_chunk
 from .indexer import index_select
-from ..kernels.quant import fp8_fake_quant
-from ..numerics import Numerics
 from .linear import dense
 from .norm import rms_norm
 from .rope import apply_rope

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import kernels
+from ..kernels.linear import linear_f32
 from .chunk import Chunk
-from .linear import linear_f32
 from .norm import rms_norm
 from .rope import apply_rope
 

@@ -8,11 +8,12 @@ import numpy as np
 
 from .. import kernels
 from ..config import ModelConfig
-from .chunk import Chunk
-from .compressor import compress_chunk
+from ..kernels.linear import linear_f32
 from ..kernels.quant import fp4_fake_quant, hadamard
 from ..numerics import Numerics
-from .linear import dense, linear_f32
+from .chunk import Chunk
+from .compressor import compress_chunk
+from .linear import dense
 from .rope import apply_rope
 
 __all__ = ["index_select"]

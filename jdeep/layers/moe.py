@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from .. import kernels
-from ..kernels.reference import stacked_experts
 from ..config import ModelConfig
+from ..kernels.linear import linear_f32
+from ..kernels.reference import stacked_experts
 from ..numerics import Numerics
-from .linear import linear_f32
 
 __all__ = ["route", "moe", "moe_expert_parallel"]
 
@@ -98,8 +99,6 @@ def moe_expert_parallel(p: dict, experts: dict, layer: jax.Array, x: jax.Array, 
     With the intermediate dim split the partials are also summed over `tensor`. Equal to `moe` up to fp32
     summation order. Experts padded at load (E not divisible by the axis) are never routed to.
     """
-    from jax.sharding import PartitionSpec as P
-
     mesh = layout.mesh
     sizes = layout.sizes
     B, S, d = x.shape

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .. import kernels
+
 __all__ = ["rms", "rms_norm"]
 
 
@@ -16,6 +18,4 @@ def rms(x: jax.Array, eps: float) -> jax.Array:
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """w ⊙ rms(x), returned in x's dtype (the `rms_norm` hot op: jnp reference or NKI kernel)."""
-    from .. import kernels
-
     return kernels.get("rms_norm")(x, weight, eps)

@@ -21,13 +21,14 @@ import numpy as np
 
 from .. import kernels
 from ..config import ModelConfig
+from ..kernels.linear import linear, linear_f32
 from ..kernels.quant import fp4_fake_quant, fp4e4_fake_quant, fp8_fake_quant
 from ..numerics import Numerics
 from ..plan import CANDIDATE, RESTRICTED, REUSE, LayerKind
 from .attention import output_projection, window_keys, write_window
 from .chunk import Chunk
 from .compressor import pool_chunk
-from .linear import dense, linear, linear_f32
+from .linear import dense
 from .norm import rms_norm
 from .rope import apply_rope
 

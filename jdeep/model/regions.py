@@ -1,6 +1,6 @@
 """The `regions` compile mode: a host loop over the layers calling a few small compiled programs.
 
-In the `scan` mode (model.py) one program holds the whole step, the layers under `lax.scan`. neuronx-cc
+In the `scan` mode (scan.py) one program holds the whole step, the layers under `lax.scan`. neuronx-cc
 unrolls while loops, so there a scan over 43-61 layers costs compile time and program size proportional
 to depth. In the `regions` mode each step is a sequence of calls:
 
@@ -8,6 +8,8 @@ to depth. In the `regions` mode each step is a sequence of calls:
     attn.<kind>.r<R>           per layer: the mHC-wrapped attention half of one layer kind
     ffn.<hash|topk>.r<R>       per layer: the mHC-wrapped MoE half
     head                       streams -> logits
+
+The prologue and epilogue (layers/head.py) and the halves (layers/block.py) are the scan mode's own.
 
 Every layer of one kind (in segments of one repetition count R) calls the same compiled program with
 the kind's stacked parameters, its stacked state and the layer's index as a traced int32 scalar; the
@@ -25,21 +27,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import ModelConfig
-from ..layers.block import attention_half, ffn_half, v41_attention_half, v41_ffn_half
-from ..layers.chunk import make_chunk
-from ..layers.mhc import hc_collapse, hc_head_collapse
-from ..layers.norm import rms_norm
-from ..layers.rope import inv_freq
-from ..layers.shared_attention import empty_published
-from ..numerics import Numerics
 from ..arenas import split_experts
+from ..config import ModelConfig
+from ..layers.block import attention_half, ffn_half
+from ..layers.chunk import make_chunk
+from ..layers.head import embed_streams, head_keys, head_logits, require_engram
+from ..layers.rope import inv_freq
+from ..numerics import Numerics
 from ..plan import LayerKind, LayerPlan
 from ..state import source_index
+from .cache import PROGRAMS, ProgramCache
 
-__all__ = ["RegionsStep", "regions_step", "ATTN_KEYS"]
+__all__ = ["RegionsStep", "regions_step", "n_compiled", "ATTN_KEYS"]
 
 ATTN_KEYS = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "attn_norm", "attn", "engram")
+
+
 def _attn_params(slot: dict) -> dict:
     return {k: v for k, v in slot.items() if k in ATTN_KEYS}
 
@@ -78,107 +81,46 @@ def _rows(rows: int | None, fn: Callable) -> Callable:
     return wrapped
 
 
-def _embed(embed, tokens, embeds, *, config: ModelConfig):
-    """Residual streams [B, S, n, d] from the table (or from host-gathered `embeds` [B, S, d])."""
-    if embeds is None:
-        embeds = embed[jnp.clip(tokens, 0, config.vocab_size - 1)]
-    X = jnp.broadcast_to(embeds[:, :, None, :], embeds.shape[:2] + (config.hc_mult, embeds.shape[-1]))
-    if not config.is_v41:
-        return X
-    B, S = tokens.shape
-    pre = jnp.broadcast_to(jnp.eye(config.hc_mult, dtype=jnp.float32)[0], (B, S, config.hc_mult))
-    return X, pre, empty_published(config, B, S)
-
-
-def _last(X: jax.Array, positions: jax.Array) -> jax.Array:
-    """X [B, S, ...] at each row's last real token -> [B, ...]."""
-    n_valid = jnp.sum(positions >= 0, axis=1)
-    last = jnp.clip(n_valid - 1, 0, X.shape[1] - 1)
-    return jnp.take_along_axis(X, last.reshape((-1,) + (1,) * (X.ndim - 1)), axis=1)[:, 0]
-
-
-def _head(p, X, positions, pre=None, *, config: ModelConfig, all_logits: bool):
-    from .model import _head as head_matmul
-
-    if not all_logits:
-        X = _last(X, positions)
-        pre = None if pre is None else _last(pre, positions)
-    if config.is_v41:
-        h = hc_collapse(X, pre)
-    else:
-        h = hc_head_collapse(X, p["hc_head_fn"], p["hc_head_base"], p["hc_head_scale"], norm_eps=config.norm_eps,
-                             hc_eps=config.hc_eps)
-    return head_matmul(rms_norm(h, p["norm"], config.norm_eps), p["head"])
-
-
-def _v4_attn(st, p, layer, X, tokens, positions, *, config, numerics, kind, freqs, layout=None):
-    layer = _clamp(layer, _reps(st))
-    chunk = make_chunk(tokens, positions, config.vocab_size)
-    X, st = attention_half(_layer_view(p, layer), st, layer, X, chunk, config=config, numerics=numerics, kind=kind,
-                           freqs=freqs)
-    return X, _constrain_state(st, layout)
-
-
 def _constrain_state(state, layout):
     """On a mesh the updated state keeps its input layout (so the donated buffers are reused in place)."""
     return state if layout is None else layout.constrain_state(state)
 
 
-def _v4_ffn(p, experts, layer, X, tokens, positions, *, config, numerics, hash_moe, layout=None):
-    layer = _clamp(layer, _reps(experts))
-    chunk = make_chunk(tokens, positions, config.vocab_size)
-    return ffn_half(_layer_view(p, layer), experts, layer, X, chunk, config=config, numerics=numerics,
-                    hash_moe=hash_moe, layout=layout)
-
-
-def _v41_attn(state, p, layer, row, X, pre, published, engram, engram_index, tokens, positions, *, config, numerics,
-              kind, freqs, layout=None):
-    window, sources = state
-    layer = _clamp(layer, window.shape[0])
-    if kind.attn.ratio:
+def _attention(state, p, layer, row, streams, engram, engram_index, tokens, positions, *, config, numerics, kind,
+               freqs, layout=None):
+    """The attention half of one layer of `kind`: state = (this kind's stacked slot state, the shared caches)."""
+    st, sources = state
+    layer = _clamp(layer, _reps(st))
+    if row is not None:
         row = _clamp(row, sources[f"r{kind.attn.ratio}"]["ckv"].shape[0])
-    chunk = make_chunk(tokens, positions, config.vocab_size)
     rows = None
     if kind.engram:
         engram_index = _clamp(engram_index, engram[0].shape[0])
         rows = tuple(jax.lax.dynamic_index_in_dim(a, engram_index, keepdims=False) for a in engram)
-    X, pre_a, window, sources, published = v41_attention_half(
-        _layer_view(p, layer), window, layer, sources, row, X, pre, published, rows, chunk, config=config,
-        numerics=numerics, kind=kind, freqs=freqs)
-    return (X, pre_a, published), _constrain_state((window, sources), layout)
+    chunk = make_chunk(tokens, positions, config.vocab_size)
+    streams, st, sources = attention_half(_layer_view(p, layer), st, sources, layer, row, streams, rows, chunk,
+                                          config=config, numerics=numerics, kind=kind, freqs=freqs)
+    return streams, _constrain_state((st, sources), layout)
 
 
-def _v41_ffn(p, experts, layer, X, pre_a, tokens, positions, *, config, numerics, layout=None):
+def _ffn(p, experts, layer, streams, tokens, positions, *, config, numerics, hash_moe, delayed_premix, layout=None):
     layer = _clamp(layer, _reps(experts))
     chunk = make_chunk(tokens, positions, config.vocab_size)
-    return v41_ffn_half(_layer_view(p, layer), experts, layer, X, pre_a, chunk, config=config, numerics=numerics,
-                        layout=layout)
+    return ffn_half(_layer_view(p, layer), experts, layer, streams, chunk, config=config, numerics=numerics,
+                    hash_moe=hash_moe, delayed_premix=delayed_premix, layout=layout)
 
 
-_PROGRAMS: dict[tuple, Callable] = {}
-
-
-def _program(name: str, config: ModelConfig, numerics: Numerics, rows: int | None, kind: LayerKind | None = None,
-             hash_moe: bool = False, all_logits: bool = False, layout=None) -> Callable:
-    """One jitted region program, shared by every model and step with the same architecture, bucket and layout."""
-    key = (name, config, numerics, rows, kind, hash_moe, all_logits, layout)
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = _make_program(name, config, numerics, rows, kind, hash_moe, all_logits, layout)
-    return _PROGRAMS[key]
-
-
-def _make_program(name, config, numerics, rows, kind, hash_moe, all_logits, layout) -> Callable:
+def _make_program(name, config, plan, numerics, rows, kind, hash_moe, all_logits, layout) -> Callable:
     if name == "embed":
-        return jax.jit(functools.partial(_embed, config=config))
+        return jax.jit(lambda table, tokens, embeds: embed_streams(table, tokens, embeds, config=config, plan=plan))
     if name == "head":
-        head = functools.partial(_head, config=config, all_logits=all_logits)
+        head = functools.partial(head_logits, config=config, plan=plan, all_logits=all_logits)
         if layout is not None:      # logits replicated, as in the scan mode
             return jax.jit(lambda *a: layout.constrain_replicated(head(*a)))
         return jax.jit(head)
     if name == "attn":      # state first (donated), returned as (out, state)
         freqs = inv_freq(config.rope_for(kind.attn), config.rope_head_dim)
-        body = _v41_attn if config.is_v41 else _v4_attn
-        fn = _rows(rows, functools.partial(body, config=config, numerics=numerics, kind=kind, freqs=freqs,
+        fn = _rows(rows, functools.partial(_attention, config=config, numerics=numerics, kind=kind, freqs=freqs,
                                            layout=layout))
         if layout is not None and rows is not None:      # the whole state written back keeps its layout too
             inner = fn
@@ -188,15 +130,15 @@ def _make_program(name, config, numerics, rows, kind, hash_moe, all_logits, layo
                 return out, _constrain_state(state, layout)
         return jax.jit(fn, donate_argnums=(0,))
     if name == "ffn":
-        if config.is_v41:
-            return jax.jit(functools.partial(_v41_ffn, config=config, numerics=numerics, layout=layout))
-        return jax.jit(functools.partial(_v4_ffn, config=config, numerics=numerics, hash_moe=hash_moe, layout=layout))
+        return jax.jit(functools.partial(_ffn, config=config, numerics=numerics, hash_moe=hash_moe,
+                                         delayed_premix=plan.delayed_premix, layout=layout))
     raise ValueError(f"unknown region program {name!r}")
 
 
-def n_compiled(config: ModelConfig, numerics: Numerics) -> int:
+def n_compiled(config: ModelConfig, numerics: Numerics, cache: ProgramCache = PROGRAMS) -> int:
     """Compiled programs (all kinds and buckets) of the regions mode for this architecture and numerics."""
-    return sum(fn._cache_size() for key, fn in _PROGRAMS.items() if key[1] == config and key[2] == numerics)
+    return sum(fn._cache_size() for key, fn in cache.items()
+               if key[0] == "region" and key[2] == config and key[4] == numerics)
 
 
 class RegionsStep:
@@ -208,9 +150,9 @@ class RegionsStep:
     """
 
     def __init__(self, config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool,
-                 rows: int | None = None, layout=None):
+                 rows: int | None = None, layout=None, cache: ProgramCache = PROGRAMS):
         self.config, self.plan, self.numerics, self.all_logits, self.rows = config, plan, numerics, all_logits, rows
-        self.layout = layout
+        self.layout, self.cache = layout, cache
         self._index = {}
 
     def _scalar(self, i: int) -> jax.Array:
@@ -218,9 +160,13 @@ class RegionsStep:
             self._index[i] = jax.device_put(np.int32(i)) if self.layout is None else self.layout.put(np.int32(i))
         return self._index[i]
 
-    def _fn(self, name: str, **kw) -> Callable:
-        return _program(name, self.config, self.numerics, self.rows if name == "attn" else None, layout=self.layout,
-                        **kw)
+    def _fn(self, name: str, kind: LayerKind | None = None, hash_moe: bool = False) -> Callable:
+        """One jitted region program, shared by every model and step with the same architecture, bucket and layout."""
+        rows = self.rows if name == "attn" else None
+        all_logits = self.all_logits if name == "head" else False
+        key = ("region", name, self.config, self.plan, self.numerics, rows, kind, hash_moe, all_logits, self.layout)
+        return self.cache.get(key, lambda: _make_program(name, self.config, self.plan, self.numerics, rows, kind,
+                                                         hash_moe, all_logits, self.layout))
 
     def __call__(self, params, state, tokens, positions, engram=None, embeds=None):
         return self._run(params, state, tokens, positions, engram, embeds, lambda name, fn, *a: fn(*a))
@@ -240,57 +186,37 @@ class RegionsStep:
 
     def n_programs(self) -> int:
         """Compiled programs held by this step's region functions (all buckets)."""
-        return n_compiled(self.config, self.numerics)
+        return n_compiled(self.config, self.numerics, self.cache)
 
     def _run(self, params, state, tokens, positions, engram, embeds, call):
-        config = self.config
-        if embeds is None and "embed" not in params:
-            raise ValueError("this model keeps its token embedding on the host: pass embeds")
-        out = call("embed", self._fn("embed"), params.get("embed"), tokens, embeds)
-        if config.is_v41:
-            if config.engram is not None and engram is None:
-                raise ValueError("this model has Engram layers: the step needs the host-gathered `engram` rows")
-            X, pre, published = out
-            sources = state["sources"]
-        else:
-            X = out
+        config, plan = self.config, self.plan
+        require_engram(plan, engram)
+        s = call("embed", self._fn("embed"), params.get("embed"), tokens, embeds)
+        sources = state["sources"]
         segments = [list(seg) for seg in state["segments"]]
-        for s, seg in enumerate(self.plan.segments):
-            slots = params["segments"][s]
-            split = [(_attn_params(sp),) + _ffn_params(sp) for sp in slots]
+        for i, seg in enumerate(plan.segments):
+            split = [(_attn_params(sp),) + _ffn_params(sp) for sp in params["segments"][i]]
             for r in range(seg.reps):
                 layer = self._scalar(r)
                 for j, kind in enumerate(seg.pattern):
                     pa, pf, experts = split[j]
                     tag = f"{kind.name}.r{seg.reps}"
-                    if config.is_v41:
-                        li = seg.layer(r, j)
-                        row = self._scalar(source_index(config, li)[1] if kind.attn.ratio else 0)
-                        k = self._scalar(config.engram.layer_ids.index(li) if kind.engram else 0)
-                        (X, pre_a, published), (window, sources) = call(
-                            f"attn.{tag}", self._fn("attn", kind=kind), (segments[s][j]["window"], sources), pa,
-                            layer, row, X, pre, published, engram if kind.engram else None, k, tokens, positions)
-                        segments[s][j] = {**segments[s][j], "window": window}
-                        X, pre = call(f"ffn.r{seg.reps}", self._fn("ffn"), pf, experts, layer, X, pre_a, tokens,
-                                      positions)
-                    else:
-                        X, segments[s][j] = call(f"attn.{tag}", self._fn("attn", kind=kind), segments[s][j], pa,
-                                                 layer, X, tokens, positions)
-                        moe = "hash" if kind.hash_moe else "topk"
-                        X = call(f"ffn.{moe}.r{seg.reps}", self._fn("ffn", hash_moe=kind.hash_moe), pf, experts,
-                                 layer, X, tokens, positions)
-        head_keys = ("norm", "head") if config.is_v41 else ("norm", "head", "hc_head_fn", "hc_head_base",
-                                                            "hc_head_scale")
-        head_p = {k: params[k] for k in head_keys}
-        logits = call("head", self._fn("head", all_logits=self.all_logits), head_p, X, positions,
-                      pre if config.is_v41 else None)
-        new_state = {"segments": segments, "sources": sources if config.is_v41 else state["sources"]}
-        return logits, new_state
+                    li = seg.layer(r, j)
+                    row = self._scalar(source_index(config, li)[1]) if kind.shared is not None else None
+                    k = self._scalar(config.engram.layer_ids.index(li)) if kind.engram else None
+                    s, (segments[i][j], sources) = call(
+                        f"attn.{tag}", self._fn("attn", kind=kind), (segments[i][j], sources), pa, layer, row, s,
+                        engram if kind.engram else None, k, tokens, positions)
+                    moe = "hash" if kind.hash_moe else "topk"
+                    published = s.published        # the MoE half neither reads nor changes it
+                    s = call(f"ffn.{moe}.r{seg.reps}", self._fn("ffn", hash_moe=kind.hash_moe), pf, experts, layer,
+                             s._replace(published=None), tokens, positions)._replace(published=published)
+        logits = call("head", self._fn("head"), {k: params[k] for k in head_keys(plan)},
+                      s._replace(published=None), positions)
+        return logits, {"segments": segments, "sources": sources}
 
 
-@functools.lru_cache(maxsize=None)
 def regions_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool,
-                 rows: int | None = None, layout=None) -> RegionsStep:
-    return RegionsStep(config, plan, numerics, all_logits, rows, layout)
-
-
+                 rows: int | None = None, layout=None, cache: ProgramCache = PROGRAMS) -> RegionsStep:
+    return cache.get(("regions_step", config, plan, numerics, all_logits, rows, layout),
+                     lambda: RegionsStep(config, plan, numerics, all_logits, rows, layout, cache))

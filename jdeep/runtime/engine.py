@@ -12,8 +12,13 @@ step the whole pool: their host-side n-gram histories are per pool row.)
 
 Bad requests (invalid sampling values, out-of-vocabulary ids, prompts that do not fit) finish at once
 with finish_reason "error" and a message; the engine keeps serving the rest. `check_request` runs the same
-validation without queueing (a server answers 400 with it); `abort` ends a request and frees its slot at
+validation (requests.py) without queueing and returns a validated Request that `add_request` takes as it is (a
+server answers 400 with the error, and validates nothing twice); `abort` ends a request and frees its slot at
 once; `release` drops a finished request's record (a long-running server keeps none).
+
+With a tokenizer the engine owns the text: each request's tokens are detokenised incrementally and matched
+against its stop strings once, as they arrive; RequestOutput.text grows by whole characters (a possible stop
+string's beginning is held back) and ends before the stop string.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from .generate import length_bucket, validate_prompts
+from ..model.cache import PROGRAMS
 from ..model.model import Model
 from ..state import reset_slots
-from .sampling import SamplingBatch, SamplingParams, batch_params, sample
+from .requests import Request, RequestError, check_request
+from .sampling import SamplingBatch, SamplingParams, batch_params
+from .steps import batch_bucket, length_bucket, pack_chunk, run_step, sample_program
 from .stops import StopMatcher
 
 __all__ = ["Engine", "RequestOutput"]
@@ -44,20 +51,19 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None     # "stop" (stop token / EOS / stop string), "length", "abort" or "error"
     error: str | None = None
-    text: str | None = None              # the generated text (cut before a stop string), given a tokenizer
+    text: str | None = None              # the generated text so far (cut before a stop string), given a tokenizer
 
 
 @dataclass
 class _Slot:
     out: RequestOutput
-    params: SamplingParams
-    stops: tuple[int, ...]
-    matcher: StopMatcher | None = None   # stop strings
+    request: Request
+    matcher: StopMatcher | None = None   # the text: incremental detokenisation and stop strings
     prefilled: int = 0                   # prompt tokens already in the state
 
-
-_reset = jax.jit(reset_slots, donate_argnums=(0,))
-_sample = jax.jit(sample)
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
 
 class Engine:
@@ -72,11 +78,11 @@ class Engine:
         if max_len > model.config.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds max_position_embeddings {model.config.max_position_embeddings}")
         self.model = model
-        self.n_slots = 1 << (max_num_seqs - 1).bit_length()
+        self.n_slots = batch_bucket(max_num_seqs)
         self.max_len = max_len
         self.chunk = prefill_chunk
         self.seed = seed
-        self.eos = () if ignore_eos or model.config.eos_token_id is None else (model.config.eos_token_id,)
+        self.eos = None if ignore_eos else model.config.eos_token_id
         self.state = model.init_state(self.n_slots, length_bucket(max_len, 256))
         self.history = model.new_history(self.n_slots)
         self.slots: list[_Slot | None] = [None] * self.n_slots
@@ -91,40 +97,38 @@ class Engine:
         self.steps_per_bucket: dict[int, int] = {}    # engine steps run at each batch-size bucket
 
     # ------------------------------------------------------------------ requests
-    def check_request(self, prompt: Sequence[int] | str, sampling: SamplingParams | None = None
-                      ) -> tuple[np.ndarray, SamplingParams]:
-        """Validate a request without queueing it: (prompt ids int32 [T], sampling params), or ValueError
-        naming the problem (bad ids, text without a tokenizer, bad sampling values, too long for max_len).
-        Reads only the model's config and tokenizer: safe to call from another thread."""
-        (ids,) = validate_prompts(self.model, [prompt], self.tokenizer)
-        p = (sampling or SamplingParams()).validate(self.model.config.vocab_size)
-        if p.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (the model has no tokenizer.json): use stop_token_ids")
-        if len(ids) + p.max_new_tokens > self.max_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
-                             f"engine's max_len {self.max_len}")
-        return ids, p
+    def check_request(self, prompt: Sequence[int] | str, sampling: SamplingParams | None = None) -> Request:
+        """Validate a request without queueing it (requests.check_request against this engine's max_len): the
+        Request, or RequestError naming the problem. Reads only the model's config and tokenizer: safe to call from
+        another thread."""
+        return check_request(prompt, sampling, vocab_size=self.model.config.vocab_size, max_len=self.max_len,
+                             tokenizer=self.tokenizer, eos=self.eos, limit_name="the engine's max_len")
 
-    def add_request(self, prompt: Sequence[int] | str, sampling: SamplingParams | None = None,
+    def add_request(self, prompt: Sequence[int] | str | Request, sampling: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue a request (token ids, or text with a tokenizer); returns its id. An invalid request is
-        finished at once with an error. A request_id already in use is a ValueError."""
+        """Queue a request (token ids, text with a tokenizer, or a Request from check_request, taken as validated);
+        returns its id. An invalid request is finished at once with an error. A request_id already in use is a
+        ValueError."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.outputs:
             raise ValueError(f"request id {rid!r} is already in use")
-        out = RequestOutput(rid, _as_ids(prompt))
+        out = RequestOutput(rid, _as_ids(prompt.ids if isinstance(prompt, Request) else prompt))
         self.outputs[rid] = out
         self._n_added += 1
         try:
-            ids, p = self.check_request(prompt, sampling)
-            out.prompt = ids.tolist()
-        except ValueError as e:
+            request = prompt if isinstance(prompt, Request) else self.check_request(prompt, sampling)
+        except RequestError as e:
             out.finished, out.finish_reason, out.error = True, "error", str(e)
             return rid
-        if p.seed is None:
-            p = dataclasses.replace(p, seed=self.seed + self._n_added - 1)
-        matcher = StopMatcher(self.tokenizer, p.stop) if p.stop else None
-        self.waiting.append(_Slot(out, p, tuple(dict.fromkeys(tuple(p.stop_token_ids) + self.eos)), matcher))
+        out.prompt = request.ids.tolist()
+        if request.params.seed is None:
+            request = dataclasses.replace(request, params=dataclasses.replace(
+                request.params, seed=self.seed + self._n_added - 1))
+        matcher = None
+        if self.tokenizer is not None:
+            matcher = StopMatcher(self.tokenizer, request.params.stop)
+            out.text = ""
+        self.waiting.append(_Slot(out, request, matcher))
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -196,32 +200,31 @@ class Engine:
         """The batch-size bucket holding `rows`: the smallest power of two > max(rows) (the pool without one)."""
         if self.model.engram is not None:
             return self.n_slots
-        return min(self.n_slots, 1 << max(rows).bit_length())
+        return min(self.n_slots, batch_bucket(max(rows) + 1))
 
     def _run(self, toks: np.ndarray, pos: np.ndarray, rows: list[int]) -> jax.Array:
         """One step of the bucket holding `rows` (toks, pos: [n_slots, S]); returns logits [bucket, V]."""
         n = self._bucket(rows)
         self.steps_per_bucket[n] = self.steps_per_bucket.get(n, 0) + 1
-        toks, pos = toks[:n], pos[:n]
-        eng = self.model.engram_inputs(self.history, toks, pos)
-        step = self.model.step_fn(all_logits=False, rows=None if n == self.n_slots else n)
-        logits, self.state = step(self.model.params, self.state, self.model.put(toks), self.model.put(pos), eng)
+        logits, self.state = run_step(self.model, self.state, toks[:n], pos[:n], self.history,
+                                      rows=None if n == self.n_slots else n)
         return logits
 
     def _emit(self, logits: jax.Array, rows: list[int]) -> list[RequestOutput]:
         n = logits.shape[0]
         counts = np.array([len(s.out.tokens) if s is not None else 0 for s in self.slots[:n]], np.int32)
         sb = self._sb if n == self.n_slots else SamplingBatch(*(a[:n] for a in self._sb))
-        nxt = self.model.fetch(_sample(*self.model.to_sampler((logits, sb, counts))))
+        nxt = self.model.fetch(sample_program()(*self.model.to_sampler((logits, sb, counts))))
         done = []
         for i in rows:
             s = self.slots[i]
             t = int(nxt[i])
             s.out.tokens.append(t)
             self._last[i] = t
-            reason = "stop" if t in s.stops else ("length" if len(s.out.tokens) >= s.params.max_new_tokens else None)
+            reason = ("stop" if t in s.request.stop_ids else
+                      "length" if len(s.out.tokens) >= s.params.max_new_tokens else None)
             if s.matcher is not None:
-                s.matcher.push([t])
+                s.out.text += s.matcher.push([t])
                 if s.matcher.stopped:
                     reason = "stop"
             if reason:
@@ -232,10 +235,8 @@ class Engine:
 
     def _finish(self, s: _Slot, reason: str) -> None:
         s.out.finished, s.out.finish_reason = True, reason
-        if s.matcher is not None and s.matcher.stopped:
-            s.out.text = s.matcher.text
-        elif self.tokenizer is not None:
-            s.out.text = self.tokenizer.decode(s.out.tokens)
+        if s.matcher is not None:
+            s.out.text += s.matcher.finish()
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration: admit waiting requests, then either one prefill chunk (while any admitted
@@ -243,15 +244,11 @@ class Engine:
         self._admit()
         prefilling = [i for i, s in enumerate(self.slots) if s is not None and s.prefilled < len(s.out.prompt)]
         if prefilling:
-            n = {i: min(self.chunk, len(self.slots[i].out.prompt) - self.slots[i].prefilled) for i in prefilling}
-            S = length_bucket(max(n.values()))
-            toks = np.zeros((self.n_slots, S), np.int32)
-            pos = np.full((self.n_slots, S), -1, np.int32)
-            for i, k in n.items():
-                s = self.slots[i]
-                toks[i, :k] = s.out.prompt[s.prefilled:s.prefilled + k]
-                pos[i, :k] = np.arange(s.prefilled, s.prefilled + k)
-                s.prefilled += k
+            prompts = [s.request.ids if i in prefilling else None for i, s in enumerate(self.slots)]
+            toks, pos, taken = pack_chunk(prompts, [s.prefilled if s else 0 for s in self.slots], self.n_slots,
+                                          self.chunk)
+            for i in prefilling:
+                self.slots[i].prefilled += int(taken[i])
             logits = self._run(toks, pos, prefilling)
             return self._emit(logits, [i for i in prefilling if self.slots[i].prefilled == len(self.slots[i].out.prompt)])
         running = [i for i, s in enumerate(self.slots) if s is not None]
@@ -277,7 +274,7 @@ class Engine:
                 toks = np.zeros((self.n_slots, S), np.int32)
                 logits = self._run(toks, np.full((self.n_slots, S), -1, np.int32), [n - 1])
             sb = self._host_batch([SamplingParams()] * n)
-            jax.block_until_ready(_sample(*self.model.to_sampler((logits, sb, np.zeros(n, np.int32)))))
+            sample_program()(*self.model.to_sampler((logits, sb, np.zeros(n, np.int32)))).block_until_ready()
         self.steps_per_bucket = counts
         return len(buckets) * (len(lengths) + 1)
 
@@ -291,6 +288,11 @@ class Engine:
                 if on_finish is not None:
                     on_finish(out)
         return self.outputs
+
+
+def _reset(state: dict, mask) -> dict:
+    """The state with the slots where mask [n_slots] is True emptied (one program; the state donated)."""
+    return PROGRAMS.jit(reset_slots, donate_argnums=(0,))(state, mask)
 
 
 def _as_ids(prompt) -> list[int]:

@@ -1,10 +1,10 @@
-"""Notebook-level API: chunked prefill of a ragged batch, an on-device decode loop, and a no-cache
-forward. Shapes are bucketed (batch, chunk length, max length) so repeated calls reuse programs."""
+"""Notebook-level API: `generate` (chunked prefill of a ragged batch, then the decode loop, with per-request
+sampling, stop tokens and stop strings, streaming) and `forward` (logits of one sequence without a cache).
+Shapes are bucketed (batch, chunk length, max length) so repeated calls reuse programs."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -12,18 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..model.model import Model, model_step
-from .sampling import SamplingParams, batch_params, sample
+from ..model.model import Model
+from .requests import check_request, prompt_ids
+from .sampling import SamplingParams, batch_params
+from .steps import batch_bucket, decode_block, first_done, length_bucket, pack_chunk, run_step, sample_program
 from .stops import StopMatcher
 
-__all__ = ["GenerateOutput", "generate", "forward", "prefill", "validate_prompts", "length_bucket"]
-
-MIN_BUCKET = 16
-
-
-def length_bucket(n: int, minimum: int = MIN_BUCKET) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+__all__ = ["GenerateOutput", "generate", "forward", "prefill"]
 
 
 @dataclass
@@ -34,32 +29,6 @@ class GenerateOutput:
     texts: list[str] | None = None   # the generated text per request (cut before a stop string), given a tokenizer
 
 
-def validate_prompts(model: Model, prompts: Sequence[Sequence[int] | str], tokenizer=None) -> list[np.ndarray]:
-    """Prompts (token-id lists, or strings encoded with `tokenizer`) -> int32 id arrays; ValueError naming
-    the first bad prompt."""
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists (or of strings, with a tokenizer)")
-    out = []
-    V = model.config.vocab_size
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise ValueError(f"prompt {i} is text but the model has no tokenizer (no tokenizer.json in its "
-                                 "folder): pass token ids or tokenizer=")
-            p = tokenizer.encode(p)
-        a = np.asarray(p)
-        if a.ndim != 1 or a.size == 0:
-            raise ValueError(f"prompt {i} must be a non-empty 1-D list of token ids, got shape {a.shape}")
-        if not np.issubdtype(a.dtype, np.integer):
-            raise ValueError(f"prompt {i} must hold integer token ids, got dtype {a.dtype}")
-        bad = (a < 0) | (a >= V)
-        if bad.any():
-            j = int(np.argmax(bad))
-            raise ValueError(f"prompt {i}: token id {int(a[j])} at index {j} is outside the vocabulary [0, {V})")
-        out.append(a.astype(np.int32))
-    return out
-
-
 def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: int = 512,
             history=None) -> tuple[jax.Array, dict]:
     """Run every prompt (row b of the batch; extra rows stay empty) through the model in chunks.
@@ -68,80 +37,13 @@ def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: in
     Returns (logits fp32 [B, V] at each prompt's last token, state)."""
     B = jax.tree_util.tree_leaves(state)[0].shape[1]
     lens = np.array([len(p) for p in prompts] + [0] * (B - len(prompts)))
-    step = model.step_fn(all_logits=False)
     last = None
     for start in range(0, int(lens.max()), chunk_size):
-        n = np.clip(lens - start, 0, chunk_size)
-        S = length_bucket(int(n.max()))
-        toks = np.zeros((B, S), np.int32)
-        pos = np.full((B, S), -1, np.int32)
-        for b, p in enumerate(prompts):
-            if n[b] > 0:
-                toks[b, :n[b]] = p[start:start + n[b]]
-                pos[b, :n[b]] = np.arange(start, start + n[b])
-        eng = model.engram_inputs(history, toks, pos)
-        logits, state = step(model.params, state, model.put(toks), model.put(pos), eng)
+        toks, pos, _ = pack_chunk(prompts, [start] * len(prompts), B, chunk_size)
+        logits, state = run_step(model, state, toks, pos, history)
         ends_here = model.put((lens > start) & (lens <= start + chunk_size))
         last = logits if last is None else jnp.where(ends_here[:, None], logits, last)
     return last, state
-
-
-def _advance(logits, carry, lens, sb, stops, max_new, keep_logits):
-    """After one decode step: sample the next tokens and update carry = (tok [B], count [B], done [B])."""
-    tok, count, done = carry
-    nxt = jnp.where(done, -1, sample(logits, sb, count))
-    count = count + (~done).astype(jnp.int32)
-    done = done | jnp.any(nxt[:, None] == stops, axis=-1) | (count >= max_new)
-    out_logits = jnp.where((nxt < 0)[:, None], jnp.nan, logits) if keep_logits else None
-    return (nxt, count, done), out_logits
-
-
-def _feed(carry, lens):
-    """The (tokens [B, 1], positions [B, 1]) a decode step feeds; a done row feeds position -1 (no writes)."""
-    tok, count, done = carry
-    return jnp.maximum(tok, 0)[:, None], jnp.where(done, -1, lens + count - 1)[:, None]
-
-
-def _decode_block(params, state, engram, carry, lens, sb, stops, max_new, *, model_step_fn, n_steps, keep_logits):
-    """n_steps decode steps on the device. carry = (tok [B] last token, count [B] tokens generated so far,
-    done [B]); a done row feeds position -1 (no state writes) and emits -1. Returns (state, carry,
-    tokens [n_steps, B], logits [n_steps, B, V] | None)."""
-    def body(c, _):
-        state, carry = c
-        logits, state = model_step_fn(params, state, *_feed(carry, lens), engram)
-        carry, out_logits = _advance(logits, carry, lens, sb, stops, max_new, keep_logits)
-        return (state, carry), (carry[0], out_logits)
-
-    (state, carry), (toks, logits) = jax.lax.scan(body, (state, carry), None, length=n_steps)
-    return state, carry, toks, logits
-
-
-def _host_decode_block(model: Model, state, engram, carry, lens, sb, stops, max_new, *, n_steps, keep_logits):
-    """The same as _decode_block with the loop on the host, for models whose step is not one jitted program
-    (regions compile mode, host-resident embedding)."""
-    step = model.step_fn(all_logits=False)
-    toks, logits = [], []
-    for _ in range(n_steps):
-        tok, pos = _feed_jit(carry, lens)
-        if model.sampler_device is not None:             # back through the host to the model's device
-            tok, pos = np.asarray(tok), np.asarray(pos)
-        out, state = step(model.params, state, tok, pos, engram)
-        carry, lg = _advance_jit(model.to_sampler(out), carry, lens, sb, stops, max_new, keep_logits)
-        toks.append(carry[0])
-        logits.append(lg)
-    return state, carry, jnp.stack(toks), jnp.stack(logits) if keep_logits else None
-
-
-_decode_block_jit = jax.jit(_decode_block, static_argnames=("model_step_fn", "n_steps", "keep_logits"),
-                            donate_argnums=(1,))
-_advance_jit = jax.jit(_advance, static_argnums=(6,))
-_feed_jit = jax.jit(_feed)
-_sample_jit = jax.jit(sample)
-
-
-@jax.jit
-def _first_done_jit(tok, stops, max_new, lens):
-    return jnp.any(tok[:, None] == stops, axis=-1) | (max_new <= 1) | (lens == 0)
 
 
 def _sampling_for(n: int, sampling, max_new_tokens: int, temperature: float, seed: int
@@ -180,46 +82,41 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     decode one step per block (their table rows are gathered on the host from the token just sampled).
     """
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
-    prompts = validate_prompts(model, prompts, tokenizer)
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and np.isfinite(temperature)
-                                             and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists (or of strings, with a tokenizer)")
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
     if stream_every < 1:
         raise ValueError(f"stream_every must be positive, got {stream_every}")
-    V = model.config.vocab_size
-    params = [p.validate(V) for p in _sampling_for(len(prompts), sampling, max_new_tokens, temperature, seed)]
-    if any(p.stop for p in params) and tokenizer is None:
-        raise ValueError("stop strings need a tokenizer (the model has no tokenizer.json): use stop_token_ids")
+    eos = None if ignore_eos else model.config.eos_token_id
+    requests = [check_request(pr, p, vocab_size=model.config.vocab_size, tokenizer=tokenizer, eos=eos,
+                              max_len=model.config.max_position_embeddings, limit_name="max_position_embeddings",
+                              index=i)
+                for i, (pr, p) in enumerate(zip(prompts, _sampling_for(len(prompts), sampling, max_new_tokens,
+                                                                       temperature, seed)))]
+    prompts = [r.ids for r in requests]
+    params = [r.params for r in requests]
     n_new = max(p.max_new_tokens for p in params)
     longest = max(len(pr) + p.max_new_tokens for pr, p in zip(prompts, params))
-    limit = model.config.max_position_embeddings
-    if longest > limit:
-        raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds max_position_embeddings={limit}")
     B = len(prompts)
-    Bb = 1 << (B - 1).bit_length()
+    Bb = batch_bucket(B)
     max_len = length_bucket(longest, 256)
     state = model.init_state(Bb, max_len)
     history = model.new_history(Bb)
     first, state = prefill(model, state, prompts, prefill_chunk, history)
 
-    eos = () if ignore_eos or model.config.eos_token_id is None else (model.config.eos_token_id,)
-    stop_lists = [tuple(dict.fromkeys(tuple(p.stop_token_ids) + eos)) for p in params]
-    width = max(1, max(len(s) for s in stop_lists))
+    width = max(1, max(len(r.stop_ids) for r in requests))
     stops = np.full((Bb, width), -1, np.int32)
-    for b, st in enumerate(stop_lists):
-        stops[b, :len(st)] = st
+    for b, r in enumerate(requests):
+        stops[b, :len(r.stop_ids)] = r.stop_ids
     sb = batch_params(params, Bb, default_seed=seed)
     max_new = np.asarray([p.max_new_tokens for p in params] + [1] * (Bb - B), np.int32)
     lens = np.array([len(p) for p in prompts] + [0] * (Bb - B), np.int32)
 
     first, sb, stops, max_new, lens, zeros, ones = model.to_sampler(
         (first, sb, stops, max_new, lens, np.zeros((Bb,), np.int32), np.ones((Bb,), np.int32)))
-    tok = _sample_jit(first, sb, zeros)
-    done = _first_done_jit(tok, stops, max_new, lens)
+    tok = sample_program()(first, sb, zeros)
+    done = first_done(tok, stops, max_new, lens)
     carry = (tok, ones, done)
     fetch = model.fetch
     tokens, logits = [fetch(tok)[:, None]], [fetch(first)[:, None]] if return_logits else None
@@ -250,9 +147,6 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
             stream(chunks)
 
     after_block(tokens[0])
-    step_fn = _Hashable(functools.partial(model_step, config=model.config, plan=model.plan, numerics=model.numerics,
-                                          all_logits=False, layout=model.layout),
-                        (model.config, model.plan, model.numerics, model.layout))
     # power-of-two blocks: a handful of compiled programs whatever max_new_tokens is
     block = 1 if model.engram is not None else min(length_bucket(stream_every, 1), length_bucket(n_new - 1, 1))
     produced = 1
@@ -262,13 +156,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
             t_last, count, dn = (fetch(c) for c in carry)
             pos = np.where(dn, -1, fetch(lens) + count - 1).astype(np.int32)[:, None]
             engram = model.engram_inputs(history, np.maximum(t_last, 0)[:, None], pos)
-        if model.host_loop:
-            state, carry, toks, lg = _host_decode_block(model, state, engram, carry, lens, sb, stops, max_new,
-                                                        n_steps=block, keep_logits=return_logits)
-        else:
-            state, carry, toks, lg = _decode_block_jit(model.params, state, engram, carry, lens, sb, stops, max_new,
-                                                       model_step_fn=step_fn, n_steps=block,
-                                                       keep_logits=return_logits)
+        state, carry, toks, lg = decode_block(model, state, engram, carry, lens, sb, stops, max_new, n_steps=block,
+                                              keep_logits=return_logits)
         toks = fetch(toks).T                                             # [B, block]
         tokens.append(toks)
         if return_logits:
@@ -280,7 +169,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     if return_logits:
         out_logits = np.concatenate(logits, axis=1)[:B, :n_new]
         if out_logits.shape[1] < n_new:   # every request ended early
-            pad = np.full((B, n_new - out_logits.shape[1], V), np.nan, np.float32)
+            pad = np.full((B, n_new - out_logits.shape[1], model.config.vocab_size), np.nan, np.float32)
             out_logits = np.concatenate([out_logits, pad], axis=1)
     if out.shape[1] < n_new:
         out = np.concatenate([out, np.full((B, n_new - out.shape[1]), -1, np.int32)], axis=1)
@@ -296,28 +185,12 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     return GenerateOutput(out, out_logits, lengths, texts)
 
 
-class _Hashable:
-    """A callable with a stable hash (its model's config and plan), usable as a jit-static argument."""
-
-    def __init__(self, fn, key):
-        self.fn, self.key = fn, key
-
-    def __call__(self, *a, **k):
-        return self.fn(*a, **k)
-
-    def __hash__(self):
-        return hash(self.key)
-
-    def __eq__(self, other):
-        return isinstance(other, _Hashable) and self.key == other.key
-
-
 def forward(model: Model, token_ids: Sequence[int], pad_to: int | None = None) -> np.ndarray:
     """Logits at every position of one sequence, without a persistent cache: float32 [T, V].
 
     The sequence runs as one chunk padded to a length bucket (or to `pad_to`, so that calls with
     different lengths share one compiled program)."""
-    (ids,) = validate_prompts(model, [token_ids])
+    ids = prompt_ids(token_ids, model.config.vocab_size)
     T = len(ids)
     S = length_bucket(T) if pad_to is None else int(pad_to)
     if S < T:
@@ -326,6 +199,5 @@ def forward(model: Model, token_ids: Sequence[int], pad_to: int | None = None) -
     toks = np.zeros((1, S), np.int32)
     pos = np.full((1, S), -1, np.int32)
     toks[0, :T], pos[0, :T] = ids, np.arange(T)
-    eng = model.engram_inputs(model.new_history(1), toks, pos)
-    logits, _ = model.step_fn(all_logits=True)(model.params, state, model.put(toks), model.put(pos), eng)
+    logits, _ = run_step(model, state, toks, pos, model.new_history(1), all_logits=True)
     return model.fetch(logits)[0, :T]

@@ -1,8 +1,3 @@
-"""Serving: per-request sampling on the device, the tokenizer (chat format, streaming detokenisation), the
-continuous-batching engine (engine.py), the benchmark harness (bench.py) and the OpenAI-compatible HTTP server
-(server.py, on async_engine.py, openai_protocol.py, metrics.py)."""
-
-from ..runtime.sampling import SamplingParams, sample
-from ..io.tokenizer import IncrementalDetokenizer, Tokenizer, chat_prompt
-
-__all__ = ["SamplingParams", "sample", "Tokenizer", "IncrementalDetokenizer", "chat_prompt"]
+"""The OpenAI-compatible HTTP server on the continuous-batching engine: server.py (starlette app, routes,
+uvicorn), openai_protocol.py (request parsing, response bodies), async_engine.py (the engine on its own thread,
+asyncio streams), metrics.py (Prometheus text)."""

@@ -1,8 +1,9 @@
 """The continuous-batching engine on its own thread, fed by asyncio callers (the HTTP server).
 
 One engine thread owns the Engine: it takes submitted and aborted requests from an inbox between steps,
-runs `Engine.step()` while any request is waiting or running, and hands every request's new tokens to its
-caller's asyncio queue (`loop.call_soon_threadsafe`), one Delta per step. Callers never touch the Engine:
+runs `Engine.step()` while any request is waiting or running, and hands every request's new tokens and the text
+they completed (the engine detokenises and matches stop strings) to its caller's asyncio queue
+(`loop.call_soon_threadsafe`), one Delta per step. Callers never touch the Engine:
 `submit` returns a RequestHandle (an async iterator of Deltas); `handle.abort()` (a client went away) ends
 the request at the next step boundary and frees its slot. A step that raises fails the requests in flight
 with an error and the thread keeps serving.
@@ -17,9 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import numpy as np
-
 from ..runtime.engine import Engine
+from ..runtime.requests import Request
 from ..runtime.sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "Delta", "RequestHandle"]
@@ -29,8 +29,8 @@ log = logging.getLogger("jdeep.serve")
 
 @dataclass
 class Delta:
-    """What one engine step gave a request: its new tokens, and whether it has finished.
-    time: time.monotonic() when the step ended."""
+    """What one engine step gave a request: its new tokens, the text they completed (given a tokenizer), and
+    whether it has finished. time: time.monotonic() when the step ended."""
 
     request_id: str
     tokens: list[int]
@@ -38,13 +38,15 @@ class Delta:
     finish_reason: str | None = None    # "stop", "length", "abort" or "error"
     error: str | None = None
     time: float = 0.0
+    text: str = ""
 
 
 @dataclass
 class _Tracked:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    sent: int = 0
+    sent: int = 0          # tokens already handed over
+    sent_text: int = 0     # characters of the text already handed over
 
 
 class RequestHandle:
@@ -105,21 +107,21 @@ class AsyncEngine:
             self._thread.start()
         return self
 
-    def check(self, prompt: Sequence[int] | str, params: SamplingParams) -> tuple[np.ndarray, SamplingParams]:
-        """Validate without queueing (Engine.check_request): (ids, params) or ValueError."""
+    def check(self, prompt: Sequence[int] | str, params: SamplingParams) -> Request:
+        """Validate without queueing (Engine.check_request): the Request, or RequestError."""
         return self.engine.check_request(prompt, params)
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams, queue: asyncio.Queue | None = None,
+    def submit(self, request: Request, queue: asyncio.Queue | None = None,
                request_id: str | None = None) -> RequestHandle:
-        """Queue a request from a coroutine; its Deltas go to `queue` (a new one by default; several
-        requests may share one, Delta.request_id tells them apart)."""
+        """Queue a validated request (from `check`) from a coroutine; its Deltas go to `queue` (a new one by
+        default; several requests may share one, Delta.request_id tells them apart)."""
         if self._stopping or self._thread is None or not self.stats.alive:
             raise RuntimeError("the engine is not running")
         with self._cv:
             self._n += 1
             rid = request_id or f"req-{self._n}"
         q = queue if queue is not None else asyncio.Queue()
-        self._post(("add", rid, list(prompt), params, _Tracked(asyncio.get_running_loop(), q)))
+        self._post(("add", rid, request, _Tracked(asyncio.get_running_loop(), q)))
         return RequestHandle(self, rid, q)
 
     def abort(self, request_id: str) -> None:
@@ -186,10 +188,10 @@ class AsyncEngine:
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, ids, params, tracked = cmd
+            _, rid, request, tracked = cmd
             self._tracked[rid] = tracked
             try:
-                self.engine.add_request(ids, params, request_id=rid)
+                self.engine.add_request(request, request_id=rid)
             except ValueError as e:         # a request id already in use
                 del self._tracked[rid]
                 tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait,
@@ -216,8 +218,9 @@ class AsyncEngine:
             new = out.tokens[t.sent:]
             if not new and not out.finished:
                 continue
-            t.sent = len(out.tokens)
-            d = Delta(rid, list(new), out.finished, out.finish_reason, out.error, now)
+            text = (out.text or "")[t.sent_text:]
+            t.sent, t.sent_text = len(out.tokens), t.sent_text + len(text)
+            d = Delta(rid, list(new), out.finished, out.finish_reason, out.error, now, text)
             if out.finished:
                 del self._tracked[rid]
                 self.engine.release(rid)

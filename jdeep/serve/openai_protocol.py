@@ -1,7 +1,9 @@
 """The OpenAI API's request and response bodies: JSON in -> a validated GenerationRequest, results -> JSON.
 
-Requests (POST /v1/completions, POST /v1/chat/completions) are checked field by field; anything wrong is
-an APIError carrying the HTTP status and OpenAI's error body ({"error": {message, type, param, code}}).
+Requests (POST /v1/completions, POST /v1/chat/completions) are parsed field by field (JSON types, prompt and
+message forms); the request itself (ids, sampling values, context length) is validated once, by the engine's
+check (runtime/requests.py). Anything wrong is an APIError carrying the HTTP status and OpenAI's error body
+({"error": {message, type, param, code}}).
 Supported beyond OpenAI's own fields (as vLLM names them): top_k, min_p, stop_token_ids, return_token_ids
 (each choice and stream chunk also carries its token ids; always, for a model without a tokenizer) and, for chat, chat_template_kwargs.thinking
 (DeepSeek's thinking mode). Fields jdeep cannot honour (n > 1, logprobs, echo, penalties, logit_bias,
@@ -15,8 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
+from ..runtime.requests import Request, RequestError
 from ..runtime.sampling import SamplingParams
 
 __all__ = ["APIError", "GenerationRequest", "ServingContext", "parse_completion", "parse_chat",
@@ -37,18 +38,19 @@ class APIError(Exception):
 
 @dataclass(frozen=True)
 class ServingContext:
-    """What validation needs to know about the served model.
-    check(ids, params) -> (ids, params) or ValueError: the engine's own request validation."""
+    """What parsing needs to know about the served model.
+    check(ids, params) -> Request or RequestError: the engine's request validation (Engine.check_request)."""
 
     model_name: str
     max_len: int
     tokenizer: Any
-    check: Callable[[Sequence[int], SamplingParams], tuple[np.ndarray, SamplingParams]]
+    check: Callable[[Sequence[int], SamplingParams], Request]
 
 
 @dataclass
 class GenerationRequest:
-    """One validated request: a prompt per choice (token ids), shared sampling params."""
+    """One validated request: a prompt per choice (token ids; `requests` the engine's validated Requests), shared
+    sampling params."""
 
     kind: str                       # "completion" or "chat"
     id: str
@@ -59,6 +61,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    requests: tuple[Request, ...] = ()
 
 
 _UNSUPPORTED = {   # field -> the values that mean "off" (anything else is rejected)
@@ -128,33 +131,26 @@ def _max_tokens(body: dict, names: Sequence[str], default: int | None) -> int | 
 
 def _finish(body: dict, kind: str, model: str, prompts: list[list[int]], max_tokens: int | None,
             ctx: ServingContext, prompt_param: str) -> GenerationRequest:
-    """Length checks, the engine's validation and the stream options, shared by both endpoints."""
-    longest = max(len(p) for p in prompts)
-    if longest >= ctx.max_len:
-        raise APIError(400, f"This model's maximum context length is {ctx.max_len} tokens; the prompt has {longest}",
-                       param=prompt_param, code="context_length_exceeded")
+    """The engine's validation of each prompt and the stream options, shared by both endpoints."""
     if max_tokens is None:                 # chat: as much as the context allows
-        max_tokens = ctx.max_len - longest
-    if longest + max_tokens > ctx.max_len:
-        raise APIError(400, f"This model's maximum context length is {ctx.max_len} tokens; you requested "
-                       f"{longest + max_tokens} ({longest} in the prompt, {max_tokens} for the completion)",
-                       param="max_tokens", code="context_length_exceeded")
+        max_tokens = max(1, ctx.max_len - max(len(p) for p in prompts))
     params = _sampling(body, max_tokens)
-    checked = []
+    requests = []
     for p in prompts:
         try:
-            ids, params = ctx.check(p, params)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        checked.append(ids.tolist())
+            requests.append(ctx.check(p, params))
+        except RequestError as e:
+            param = prompt_param if e.param == "prompt" else e.param
+            raise APIError(400, str(e), param=param, code=e.code) from None
     stream = _field(body, "stream", (bool,), False, "a boolean")
     opts = _field(body, "stream_options", (dict,), {}, "an object")
     if opts and not stream:
         raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    return GenerationRequest(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, checked, params, stream,
-                             bool(opts.get("include_usage", False)),
-                             _field(body, "return_token_ids", (bool,), False, "a boolean") or ctx.tokenizer is None)
+    return GenerationRequest(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model,
+                             [r.ids.tolist() for r in requests], params, stream, bool(opts.get("include_usage", False)),
+                             _field(body, "return_token_ids", (bool,), False, "a boolean") or ctx.tokenizer is None,
+                             tuple(requests))
 
 
 def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:

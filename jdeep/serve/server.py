@@ -19,23 +19,35 @@ import contextlib
 import hmac
 import json
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .async_engine import AsyncEngine, RequestHandle
 from ..runtime.engine import Engine
+from .async_engine import AsyncEngine, Delta, RequestHandle
 from .metrics import Counter, Gauge, Histogram, Registry
-from .openai_protocol import (APIError, GenerationRequest, ServingContext, chat_chunk, chat_response,
-                              completion_chunk, completion_response, parse_chat, parse_completion, usage, usage_chunk)
-from ..runtime.stops import StopMatcher
+from .openai_protocol import (
+    APIError,
+    GenerationRequest,
+    ServingContext,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    parse_chat,
+    parse_completion,
+    usage,
+    usage_chunk,
+)
 
 __all__ = ["ServerSettings", "build_app", "serve", "make_server", "background_server"]
 
@@ -104,22 +116,18 @@ class _Latency:
 
 
 class _Choice:
-    """The text of one choice as its tokens arrive (stop strings held back and cut, whole UTF-8 characters)."""
+    """One choice's tokens and text as the engine's Deltas arrive (the engine cut the text before a stop string)."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self.matcher = StopMatcher(tokenizer, stop) if tokenizer is not None else None
+    def __init__(self):
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None
 
-    def push(self, tokens: list[int], finished: bool) -> str:
-        self.tokens += tokens
-        new = ""
-        if self.matcher is not None:
-            new = self.matcher.push(tokens) + (self.matcher.finish() if finished else "")
-        self.text += new
-        return new
+    def push(self, d: Delta) -> str:
+        self.tokens += d.tokens
+        self.text += d.text
+        return d.text
 
     def as_dict(self) -> dict:
         return {"text": self.text, "finish_reason": self.finish_reason, "token_ids": self.tokens}
@@ -168,7 +176,6 @@ class _App:
     def __init__(self, aengine: AsyncEngine, settings: ServerSettings):
         self.engine, self.settings = aengine, settings
         eng = aengine.engine
-        self.tokenizer = eng.tokenizer
         self.ctx = ServingContext(settings.model_name, eng.max_len, eng.tokenizer, aengine.check)
         self.metrics = _Metrics(aengine)
         self.draining = False
@@ -218,19 +225,19 @@ class _App:
             req: GenerationRequest = parse(await self._read_json(request), self.ctx)
             queue: asyncio.Queue = asyncio.Queue()
             try:
-                handles = [self.engine.submit(ids, req.params, queue) for ids in req.prompts]
+                handles = [self.engine.submit(r, queue) for r in req.requests]
             except RuntimeError as e:
                 raise APIError(503, str(e), type="service_unavailable") from None
         except APIError as e:
             return _error(e)
-        choices = [_Choice(self.tokenizer, req.params.stop) for _ in handles]
+        choices = [_Choice() for _ in handles]
         index = {h.request_id: i for i, h in enumerate(handles)}
         if req.stream:
             return _Stream(self._events(req, handles, queue, choices, index, timer), handles)
         watcher = asyncio.ensure_future(_abort_on_disconnect(request.receive, handles))
         try:
             async for i, d in self._deltas(handles, queue, index, timer):
-                choices[i].push(d.tokens, d.finished)
+                choices[i].push(d)
                 if d.finished:
                     choices[i].finish_reason, choices[i].error = d.finish_reason, d.error
         finally:
@@ -269,7 +276,7 @@ class _App:
                 yield _sse(chat_chunk(req, {"role": "assistant", "content": ""}, [], None))
             async for i, d in self._deltas(handles, queue, index, timer):
                 c = choices[i]
-                text = c.push(d.tokens, d.finished)
+                text = c.push(d)
                 if d.finished:
                     c.finish_reason = d.finish_reason
                 if d.finish_reason in ("error", "abort"):
@@ -358,8 +365,6 @@ def build_app(aengine: AsyncEngine, settings: ServerSettings):
 def make_server(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
                 shutdown_timeout: float = 30.0, log_level: str = "info"):
     """A uvicorn Server for the engine: `server.run()` blocks until SIGINT/SIGTERM (or `server.should_exit`)."""
-    import uvicorn
-
     aengine = AsyncEngine(engine)
     app = build_app(aengine, settings)
 
@@ -389,8 +394,6 @@ def background_server(engine: Engine, settings: ServerSettings, host: str = "127
     """Serve from a background thread (a notebook, tests): `with background_server(engine, settings) as (url,
     server):` with url = "http://HOST:PORT/v1" (port 0: a free one). Leaving the block shuts it down as a
     signal would (in-flight requests get `shutdown_timeout` seconds)."""
-    import socket
-
     server = make_server(engine, settings, host, port, shutdown_timeout, log_level)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -39,13 +39,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..runtime.generate import length_bucket
 from ..config import ModelConfig
-from .info import kv_bytes_per_token
 from ..model.model import Model
+from ..runtime.steps import length_bucket
 from ..state import state_bytes
+from .compare import compare_section, hf_config, require_transformers
+from .info import kv_bytes_per_token
 
-__all__ = ["run_bench", "bench_prompts", "measure_bandwidth", "format_report", "format_compare", "SCHEMA"]
+__all__ = ["run_bench", "bench_prompts", "measure_bandwidth", "format_report", "format_compare", "plot_sweep",
+           "SCHEMA"]
 
 SCHEMA = "jdeep.bench/1"
 _EXPERT_KEYS = ("w1", "w2", "w3")
@@ -113,8 +115,6 @@ def run_bench(model: Model, input_len: int = 512, output_len: int = 32, batch_si
         raise ValueError(f"input_len + output_len = {input_len + output_len} exceeds max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
     if compare_transformers is not None:
-        from .compare import hf_config, require_transformers
-
         require_transformers()
         hf_config(cfg)                       # an incomparable checkpoint fails before the jdeep runs
     bw = bandwidth_gbs or measure_bandwidth()
@@ -139,8 +139,6 @@ def run_bench(model: Model, input_len: int = 512, output_len: int = 32, batch_si
         "runs": runs,
     }
     if compare_transformers is not None:
-        from .compare import compare_section
-
         result["compare"] = compare_section(compare_transformers, prompt_sets, runs, tokens, output_len,
                                             result["model"]["dtype"])
     return result
@@ -250,3 +248,22 @@ def format_compare(hf: dict) -> str:
         lines.append(f"{q['batch_size']:>4} {q['ttft']:>8.2f} {q['prefill_tok_s']:>14.2f} {q['decode_tok_s']:>13.2f} "
                      f"{q['itl_p50']:>9.2f} {a['rows_equal']:>11.2f} {_divergence(a):>11}")
     return "\n".join(lines)
+
+
+def plot_sweep(result: dict, path: str | os.PathLike) -> None:
+    """A PNG of a run_bench sweep at `path`: decode tokens/s (aggregate and per sequence) and the roofline
+    fraction against the batch size. ImportError without matplotlib (pip install 'jdeep[plot]')."""
+    from matplotlib.figure import Figure  # optional extra `plot`: only `jdeep bench --plot` draws
+
+    runs = result["runs"]
+    fig = Figure(figsize=(9, 3.5))
+    ax = fig.subplots(1, 2)
+    bs = [r["batch_size"] for r in runs]
+    ax[0].plot(bs, [r["decode_tok_s"] for r in runs], "o-", label="aggregate")
+    ax[0].plot(bs, [r["decode_tok_s_per_seq"] for r in runs], "s--", label="per sequence")
+    ax[0].set(xlabel="batch size", ylabel="decode tokens/s", xscale="log")
+    ax[0].legend()
+    ax[1].plot(bs, [r["roofline_fraction"] for r in runs], "o-")
+    ax[1].set(xlabel="batch size", ylabel="fraction of measured bandwidth", xscale="log")
+    fig.tight_layout()
+    fig.savefig(path)

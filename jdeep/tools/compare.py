@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import inspect
 import json
 import os
 import tempfile
@@ -39,7 +40,7 @@ _CSA, _HCA, _SLIDING = "compressed_sparse_attention", "heavily_compressed_attent
 def require_transformers() -> tuple[Any, Any]:
     """(torch, transformers), or ImportError naming the optional extra that provides them."""
     try:
-        import torch
+        import torch  # lazy: the optional extra `compare` (torch + transformers)
         import transformers
     except ImportError as e:
         raise ImportError(f"--compare transformers needs torch and transformers ({PIP_HINT}): {e}") from None
@@ -154,8 +155,6 @@ def load_transformers(folder: str | os.PathLike, dtype: str = "float32") -> Any:
 
 def _cache_kwarg(model: Any) -> str:
     """transformers renamed `past_key_values` to `cache` (5.24)."""
-    import inspect
-
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -170,7 +169,7 @@ def _step(model: Any, torch: Any, cache: Any, key: str, ids: np.ndarray, start: 
 
 def _run_one(model: Any, torch: Any, ids: np.ndarray, output_len: int) -> tuple[dict, np.ndarray]:
     """jdeep's bench loop on transformers: (run fields, greedy tokens int32 [B, output_len])."""
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # lazy: the optional extra `compare`
 
     B, L = ids.shape
     key = _cache_kwarg(model)

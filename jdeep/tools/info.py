@@ -1,5 +1,5 @@
 """Size accounting: parameter bytes by dtype and decode-state bytes per token for a config, and (for deployment
-planning) the bytes every device of a mesh holds: `device_plan` / `mesh_summary`."""
+planning) the bytes every device of a mesh holds: `device_footprint` / `mesh_summary`."""
 
 from __future__ import annotations
 
@@ -10,21 +10,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from jax.sharding import AbstractMesh, Mesh
 
-from ..io.checkpoint import _leaf_dtype, _leaf_plan, padded_experts, tree_path
 from ..config import ModelConfig
 from ..numerics import Numerics
-from ..param_spec import layer_specs, tree_leaves
+from ..param_spec import _leaf_dtype, _leaf_plan, layer_specs, padded_experts, tree_leaves, tree_path
 from ..plan import build_plan, layer_kinds
+from ..sharding import AXES, Layout, parse_mesh
 from ..state import slot_state_shapes, source_state_shapes, state_bytes
 
 __all__ = [
     "H200_BYTES",
     "TRN2_CORE_BYTES",
-    "DevicePlan",
+    "DeviceFootprint",
     "LeafShare",
     "abstract_layout",
-    "device_plan",
+    "device_footprint",
     "kv_bytes_per_token",
     "mesh_summary",
     "param_bytes_by_dtype",
@@ -93,10 +94,6 @@ def summary(config: ModelConfig, dtype: Any = np.float32) -> str:
 def abstract_layout(config: ModelConfig, mesh: Any):
     """The `sharding.Layout` jdeep would use for `config` on a mesh of these sizes (a "data=1,tensor=4" string, a
     dict of axis sizes, a Mesh or a Layout), over an AbstractMesh: no devices needed."""
-    from jax.sharding import AbstractMesh, Mesh
-
-    from ..sharding import AXES, Layout, parse_mesh
-
     if isinstance(mesh, Layout):
         return mesh
     if isinstance(mesh, Mesh):
@@ -204,7 +201,7 @@ def _group(key: tuple) -> str:
 
 
 @dataclass
-class DevicePlan:
+class DeviceFootprint:
     """What one device of a mesh holds for a model (every device holds the same amount: the layout shards a
     dimension only where the mesh axis divides it)."""
 
@@ -280,8 +277,8 @@ class DevicePlan:
         return self.param_bytes + self.state_bytes
 
 
-def device_plan(config: ModelConfig, mesh: Any, dtype: Any = np.float32, batch: int = 1, max_len: int = 8192,
-                packed_kv: bool = False) -> DevicePlan:
+def device_footprint(config: ModelConfig, mesh: Any, dtype: Any = np.float32, batch: int = 1, max_len: int = 8192,
+                packed_kv: bool = False) -> DeviceFootprint:
     """Parameter and decode-state bytes per device of `mesh` for `batch` sequences of up to `max_len` tokens
     (packed_kv: the KV caches as uint8 fp8 records, which needs DeepSeek's numerics). Weights and state only:
     activations, compiled-program workspace and the runtime's own memory come on top; Engram tables stay on the
@@ -292,7 +289,7 @@ def device_plan(config: ModelConfig, mesh: Any, dtype: Any = np.float32, batch: 
     numerics = Numerics.for_config(config, True, packed_kv=True) if packed_kv else None
     layout = abstract_layout(config, mesh)
     sizes = layout.sizes
-    return DevicePlan(
+    return DeviceFootprint(
         mesh=sizes, devices=math.prod(sizes.values()), batch=int(batch), max_len=int(max_len),
         dtype_name=np.dtype(dtype).name, packed_kv=bool(packed_kv), expert_inter=layout.expert_inter,
         n_experts=config.n_routed_experts, n_experts_padded=padded_experts(config.n_routed_experts, sizes["expert"]),
@@ -314,7 +311,7 @@ def _fits(total: int, capacity: int, what: str) -> str:
     return f"{what}: no (over by {_gib(total - capacity)})"
 
 
-def mesh_summary(plan: DevicePlan) -> str:
+def mesh_summary(plan: DeviceFootprint) -> str:
     """The per-device lines `jdeep info --mesh` prints."""
     m = plan.mesh
     mesh = ",".join(f"{a}={s}" for a, s in m.items())

@@ -93,7 +93,7 @@ async def _one(client, model: str, req: LoadRequest, res: LoadResult) -> None:
 async def run_load(base_url: str, model: str, requests: list[LoadRequest], api_key: str = "none",
                    timeout: float = 600.0) -> list[LoadResult]:
     """Send every request at once (each its own streaming connection); results in request order."""
-    import openai
+    import openai  # lazy: the official client is an optional dependency (the `test` extra)
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout)
     results = [LoadResult() for _ in requests]

@@ -15,13 +15,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from ..io.checkpoint import abstract_params
-from ..config import ModelConfig
-from ..model.model import Model, compiled_step
-from ..numerics import Numerics
 from ..arenas import is_packed, pack_params
-from ..plan import LayerPlan
+from ..config import ModelConfig
+from ..model.cache import PROGRAMS, ProgramCache
+from ..model.model import Model, compiled_step
 from ..model.regions import regions_step
+from ..numerics import Numerics
+from ..param_spec import abstract_params
+from ..plan import LayerPlan, build_plan
 from ..state import init_state
 
 __all__ = ["Target", "Program", "model_programs"]
@@ -43,6 +44,14 @@ class Target:
     def of(cls, model: Model) -> "Target":
         return cls(model.config, model.plan, model.numerics, model.dtype, model.compile_mode,
                    model.host_embed is not None, is_packed(model.params))
+
+    @classmethod
+    def for_config(cls, config: ModelConfig, dtype: Any, compile_mode: str = "scan", host_embedding: bool = False,
+                   quantize_activations: bool | None = None, fp8_max: float | None = None, packed_kv: bool = False,
+                   packed_params: bool = False) -> "Target":
+        """From a config alone (no weights): the layer plan and numerics jdeep.load would build for it."""
+        numerics = Numerics.for_config(config, quantize_activations, fp8_max, packed_kv)
+        return cls(config, build_plan(config), numerics, dtype, compile_mode, host_embedding, packed_params)
 
 
 @dataclass(frozen=True)
@@ -79,8 +88,10 @@ def step_inputs(t: Target, B: int, S: int, max_len: int) -> tuple:
     return params, state, ids, ids, engram, embeds
 
 
-def model_programs(t: Target, batch_sizes=(1,), prefill_len: int = 64, max_len: int = 256) -> list[Program]:
-    """The programs of prefill and decode steps for every batch bucket, in call order, without duplicates."""
+def model_programs(t: Target, batch_sizes=(1,), prefill_len: int = 64, max_len: int = 256,
+                   cache: ProgramCache = PROGRAMS) -> list[Program]:
+    """The programs of prefill and decode steps for every batch bucket, in call order, without duplicates.
+    `cache`: where the programs are taken from and kept (a fresh ProgramCache gives freshly jitted programs)."""
     out = []
     for B in batch_sizes:
         for step, S in (("prefill", prefill_len), ("decode", 1)):
@@ -88,8 +99,8 @@ def model_programs(t: Target, batch_sizes=(1,), prefill_len: int = 64, max_len: 
             args = step_inputs(t, B, S, max_len)
             name = f"b{B}.{step}"
             if t.compile_mode == "scan":
-                out.append(Program(name, compiled_step(t.config, t.plan, t.numerics, False), args, bucket))
+                out.append(Program(name, compiled_step(t.config, t.plan, t.numerics, False, cache=cache), args, bucket))
             else:
-                rs = regions_step(t.config, t.plan, t.numerics, False)
+                rs = regions_step(t.config, t.plan, t.numerics, False, cache=cache)
                 out += [Program(f"{name}.{n}", fn, a, bucket) for n, fn, a in rs.programs(*args)]
     return out

@@ -6,96 +6,38 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
 
 import ml_dtypes
 import numpy as np
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-from ..io.checkpoint import write_safetensors
 from ..config import ModelConfig
+from ..io.safetensors import write_safetensors
+from ..io.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
 from ..kernels import codecs
-from ..param_spec import (F32, FP4, FP4_BLOCK, FP8, FP8_DEQUANT, INDEX, TensorSpec, engram_table_specs, layer_specs,
-                         top_specs)
+from ..param_spec import (
+    F32,
+    FP4,
+    FP4_BLOCK,
+    FP8,
+    FP8_DEQUANT,
+    INDEX,
+    TensorSpec,
+    engram_table_specs,
+    layer_specs,
+    top_specs,
+)
 from ..plan import layer_kinds
+from ..presets import TINY_CONFIG, deep_tiny_config, one_layer_config, tiny_v41_config
 
-__all__ = ["TINY_CONFIG", "deep_tiny_config", "tiny_v41_config", "random_tensor", "random_checkpoint", "write_word_tokenizer"]
-
-# A small model with every layer kind (sliding, ratio-4 CSA with indexer, ratio-16 HCA, hash MoE).
-TINY_CONFIG: dict[str, Any] = {
-    "model_type": "deepseek_v4", "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 6,
-    "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 64, "o_groups": 2,
-    "o_lora_rank": 32, "sliding_window": 16,
-    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                    "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
-    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-    "num_hash_layers": 2, "index_n_heads": 16, "index_head_dim": 32, "index_topk": 4, "hc_mult": 4,
-    "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "n_routed_experts": 8, "num_experts_per_tok": 2,
-    "n_shared_experts": 1, "moe_intermediate_size": 64, "routed_scaling_factor": 1.5,
-    "scoring_func": "sqrtsoftplus", "swiglu_limit": 10.0, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 256,
-                     "beta_fast": 32, "beta_slow": 1},
-    "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1,
-}
-
-
-def deep_tiny_config(n_repeats: int) -> dict[str, Any]:
-    """TINY_CONFIG's kinds at depth 2 + 2 * n_repeats: sliding/hash, CSA/hash, then (HCA, CSA) repeated (for tests
-    that the compiled programs do not grow with depth)."""
-    raw = dict(TINY_CONFIG)
-    raw["layer_types"] = ["sliding_attention", "compressed_sparse_attention"] + \
-        ["heavily_compressed_attention", "compressed_sparse_attention"] * n_repeats
-    raw["num_hidden_layers"] = len(raw["layer_types"])
-    return raw
-
-
-def one_layer_config(**overrides: Any) -> dict[str, Any]:
-    """TINY_CONFIG cut to one layer of compressed sparse attention (compressor and indexer) with a top-k MoE:
-    the cheapest model to compile that still runs the richest attention kind (tests)."""
-    return dict(TINY_CONFIG, layer_types=["compressed_sparse_attention"], num_hidden_layers=1, num_hash_layers=0,
-                **overrides)
-
-
-def tiny_v41_config(engram_vocab_size: int = 400, quantized: bool = True) -> dict[str, Any]:
-    """A small DeepSeek-V4.1 HF config with every V4.1 layer kind: sliding, ratio-2 and ratio-1 KV sources,
-    layers reusing a top-k, index sources, the candidate source and a restricted index source, two Engram
-    layers. Its tokenizer (write_word_tokenizer) has one class per id, so the compressed vocab is the vocab.
-    The Engram tables' rows follow from engram_vocab_size (the hash primes)."""
-    from ..io.engram_tables import EngramLayout
-
-    vocab, layers, max_ngram, heads = 512, [1, 4], 3, 4
-    rows = EngramLayout.create(layers, max_ngram, heads, engram_vocab_size, vocab, 0).table_rows
-    text = {
-        "model_type": "deepseek_v41_text", "vocab_size": vocab, "hidden_size": 128, "moe_intermediate_size": 64,
-        "num_hidden_layers": 8, "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 32, "q_lora_rank": 64,
-        "o_lora_rank": 32, "o_groups": 2, "swiglu_limit": 10.0, "rms_norm_eps": 1e-20, "max_position_embeddings": 4096,
-        "rope_theta": 10000, "rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
-                                              "original_max_position_embeddings": 64},
-        "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "scoring_func": "sqrtsoftplus",
-        "routed_scaling_factor": 1.5, "sliding_window": 8, "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1],
-        "compress_rope_theta": 160000, "kv_source_layer_ids": [2, 5], "index_source_layer_ids": [2, 4, 5, 7],
-        "index_n_heads": 4, "index_head_dim": 32, "index_topk": 4, "candidate_source_layer_id": 5,
-        "candidate_topk_blocks": 2, "candidate_block_size": 4, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
-        "engram_layer_ids": layers, "engram_num_embeddings": list(rows), "engram_max_ngram_size": max_ngram,
-        "engram_vocab_size": engram_vocab_size, "engram_n_heads": heads, "engram_head_dim": 32,
-        "engram_pad_token_id": 2, "engram_compressed_vocab_size": vocab, "num_nextn_predict_layers": 0,
-    }
-    raw = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "bos_token_id": 0,
-           "eos_token_id": 1, "pad_token_id": 2, "text_config": text}
-    if quantized:
-        raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                      "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
-    return raw
+__all__ = ["TINY_CONFIG", "deep_tiny_config", "one_layer_config", "tiny_v41_config", "random_tensor", "random_checkpoint",
+           "write_word_tokenizer"]
 
 
 def write_word_tokenizer(path: str, vocab_size: int, chat_markers: bool = False) -> None:
     """A word-level tokenizer.json whose ids 0..vocab_size-1 decode to distinct words `tok<i>`. chat_markers:
     ids 0..5 are DeepSeek's chat markers instead (BOS, EOS, User, Assistant, <think>, </think>; special tokens),
     so `Tokenizer.chat` works on it."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-
-    from ..io.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
-
     markers = [BOS, EOS, USER, ASSISTANT, THINK, END_THINK] if chat_markers else []
     vocab = {f"tok{i}": i for i in range(len(markers), vocab_size)}
     vocab.update({m: i for i, m in enumerate(markers)})

@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..runtime.generate import length_bucket
-from ..layers.block import block
+from ..layers.block import Streams, block
 from ..layers.chunk import make_chunk
 from ..layers.rope import inv_freq
-from ..model.model import Model, _split_experts
+from ..model.model import Model
+from ..model.scan import slot_params
+from ..runtime.steps import length_bucket
 from ..state import slot_state_shapes
 
 __all__ = ["teacher_forced_logits", "replay_layer", "row_cosine"]
@@ -58,12 +59,15 @@ def teacher_forced_logits(model: Model, prompt, forced, chunk: int = 64, max_len
 def _block_step(p, experts, st, X, tokens, positions, *, config, numerics, kind, freqs_key):
     chunk = make_chunk(tokens, positions, config.vocab_size)
     freqs = inv_freq(config.rope_for(kind.attn), config.rope_head_dim)
-    return block(p, experts, st, jnp.int32(0), X, chunk, config=config, numerics=numerics, kind=kind, freqs=freqs)
+    streams, st, _ = block(p, experts, st, {}, jnp.int32(0), None, Streams(X), None, chunk, config=config,
+                           numerics=numerics, kind=kind, freqs=freqs)
+    return streams.X, st
 
 
 def replay_layer(model: Model, layer: int, inputs: np.ndarray, ids: np.ndarray, prefill_len: int,
                  prefill_pad: int | None = None) -> np.ndarray:
-    """Run backbone layer `layer` alone on recorded input streams, as the reference's cached run did:
+    """Run backbone layer `layer` of a DeepSeek-V4 model (own pre-mixes, per-layer caches) alone on recorded
+    input streams, as the reference's cached run did:
     one prefill call over the first `prefill_len` positions, then one decode call per position.
 
     inputs fp32 [T, n, d]; ids int32 [T]. The prefill chunk is padded to `prefill_pad` tokens (default:
@@ -73,7 +77,7 @@ def replay_layer(model: Model, layer: int, inputs: np.ndarray, ids: np.ndarray, 
     s, slot, rep = plan.locate(layer)
     kind = plan.segments[s].pattern[slot]
     layer_params = jax.tree_util.tree_map(lambda a: a[rep:rep + 1], model.params["segments"][s][slot])
-    rest, experts = _split_experts(layer_params)
+    rest, experts = slot_params(layer_params)
     p = jax.tree_util.tree_map(lambda a: a[0], rest)
     T = len(ids)
     shapes = slot_state_shapes(cfg, kind, 1, 1, length_bucket(T, 256), model.dtype, model.numerics)

@@ -1,4 +1,4 @@
-"""Checkpoint loading (jdeep.checkpoint, jdeep.load): single-file and sharded safetensors, the param-tree
+"""Checkpoint loading (jdeep.io.checkpoint, jdeep.load): single-file and sharded safetensors, the param-tree
 layout, CheckpointError/ConfigError on broken folders, Orbax round trip and bfloat16 loading."""
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ from conftest import GOLDEN_DIR
 
 import jdeep
 from jdeep import CheckpointError, ConfigError
-from jdeep.io.checkpoint import SafetensorsFile, is_converted, load_params, save_converted, write_safetensors
+from jdeep.io.checkpoint import load_params
+from jdeep.io.convert import is_converted, save_converted
+from jdeep.io.safetensors import SafetensorsFile, write_safetensors
 from jdeep.plan import layer_kinds
-from jdeep.tools.random_weights import TINY_CONFIG, random_checkpoint
+from jdeep.presets import TINY_CONFIG
+from jdeep.tools.random_weights import random_checkpoint
 
 # Five layers, three layer bodies: [sliding/hash] x1, [csa4, hca16] x2 (a segment with reps = 2).
 CFG = copy.deepcopy(TINY_CONFIG)

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from conftest import REPO, golden_path
 
-from jdeep.io.checkpoint import CheckpointReader, write_safetensors
 from jdeep.io.engram_tables import (
     EngramLayout,
     EngramTables,
@@ -23,6 +22,7 @@ from jdeep.io.engram_tables import (
     dequant_rows,
     hash_ids,
 )
+from jdeep.io.safetensors import CheckpointReader, write_safetensors
 
 RELEASED = {"layer_ids": [1, 14], "max_ngram_size": 4, "n_heads": 8, "engram_vocab_size": 16_000_000,
             "compressed_vocab_size": 99_092, "pad_class": 2}

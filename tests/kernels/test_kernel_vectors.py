@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import golden_path
+
 from jdeep.kernels import codecs, quant
 from jdeep.kernels.reference import sparse_attention
 from jdeep.layers.mhc import hc_split_sinkhorn

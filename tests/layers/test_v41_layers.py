@@ -9,12 +9,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jdeep.config import preset
 from jdeep.kernels.quant import fp4e4_fake_quant
 from jdeep.layers.engram import decode_rows, engram_update
 from jdeep.layers.moe import route
 from jdeep.layers.shared_attention import candidate_blocks, candidate_mask
 from jdeep.numerics import Numerics
+from jdeep.presets import preset
 
 
 # ------------------------------------------------------------------------------ Qfp4e4 (compressed KV)

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 import jdeep
-from jdeep.io.checkpoint import abstract_params
 from jdeep.config import ModelConfig
-from jdeep.model.model import model_step
+from jdeep.model import model_step
+from jdeep.model.cache import PROGRAMS
+from jdeep.param_spec import abstract_params
 from jdeep.plan import build_plan
-from jdeep.tools.random_weights import TINY_CONFIG, deep_tiny_config, random_checkpoint
+from jdeep.presets import TINY_CONFIG, deep_tiny_config
 from jdeep.state import init_state
+from jdeep.tools.random_weights import random_checkpoint
 
 
 def _config(n_repeats: int) -> ModelConfig:
@@ -84,13 +86,11 @@ def test_repeated_decode_does_not_recompile(tiny_model):
 
 
 def test_repeated_generate_does_not_recompile(tiny_model):
-    from jdeep.runtime.generate import _decode_block_jit
-
     jdeep.generate(tiny_model, [[0, 5, 9], [0, 7]], max_new_tokens=4, ignore_eos=True)
-    before = _decode_block_jit._cache_size()
+    before = PROGRAMS.n_compiled()
     step_before = tiny_model.step_fn(all_logits=False)._cache_size()
     out = jdeep.generate(tiny_model, [[0, 1, 2, 3], [0, 8]], max_new_tokens=4, ignore_eos=True)
-    assert _decode_block_jit._cache_size() == before
+    assert PROGRAMS.n_compiled() == before
     assert tiny_model.step_fn(all_logits=False)._cache_size() == step_before
     assert out.tokens.shape == (2, 4)
 
@@ -99,7 +99,7 @@ def test_repeated_generate_does_not_recompile(tiny_model):
 def _v41_config(pairs: int) -> ModelConfig:
     """tiny_v41_config's first 5 layers (sliding, Engram, ratio-2 source, reuse, own index + Engram), then
     `pairs` x (reuse, own index) at ratio 2, a ratio-1 candidate source, `pairs` x (reuse, restricted index)."""
-    from jdeep.tools.random_weights import tiny_v41_config
+    from jdeep.presets import tiny_v41_config
 
     raw = tiny_v41_config()
     r1 = 5 + 2 * pairs

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import jdeep
-from jdeep.tools.random_weights import TINY_CONFIG, random_checkpoint
+from jdeep.presets import TINY_CONFIG
+from jdeep.tools.random_weights import random_checkpoint
 
 CONFIGS = {
     # DeepSeek spelling: ratio 4 overlaps and has an indexer, other ratios pool plainly.

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import golden_path
 
 import jdeep
-from conftest import golden_path
 from jdeep.config import ModelConfig
-from jdeep.tools.random_weights import TINY_CONFIG, deep_tiny_config, random_checkpoint
 from jdeep.model.regions import n_compiled
+from jdeep.presets import TINY_CONFIG, deep_tiny_config
+from jdeep.tools.random_weights import random_checkpoint
 
 TOL = 1e-5
 
@@ -95,7 +96,7 @@ _SPLIT_SAMPLER = """
 import dataclasses, sys
 import jax, jdeep
 from jdeep import SamplingParams
-from jdeep.serve.engine import Engine
+from jdeep import Engine
 
 assert len(jax.devices()) == 2
 model = jdeep.load(sys.argv[1], compile_mode="regions")

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import jdeep
-from jdeep.tools.random_weights import TINY_CONFIG, one_layer_config, random_checkpoint, write_word_tokenizer
-from jdeep.serve import SamplingParams
+from jdeep import SamplingParams
+from jdeep.presets import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
+from jdeep.tools.random_weights import random_checkpoint, write_word_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import jdeep
-from jdeep.tools.random_weights import one_layer_config, random_checkpoint
-from jdeep.serve import SamplingParams
+from jdeep import SamplingParams
+from jdeep.presets import one_layer_config
+from jdeep.tools.random_weights import random_checkpoint
 
 PROMPTS = [[0, 5, 9], [0, 7, 7, 7, 100, 3], [0, 42]]
 
@@ -68,3 +69,14 @@ def test_bad_sampling_values_are_named(model):
         jdeep.generate(model, PROMPTS, sampling=[SamplingParams()])
     with pytest.raises(ValueError, match="tokenizer"):
         jdeep.generate(model, PROMPTS[:1], sampling=SamplingParams(stop=("\n",)))
+
+
+def test_logits_of_requests_that_all_end_early_are_padded_with_nan(model):
+    """Every request stops at its first token: tokens and logits still span max_new_tokens, -1 / NaN after it."""
+    free = jdeep.generate(model, PROMPTS, max_new_tokens=1, ignore_eos=True)
+    ps = [SamplingParams(max_new_tokens=40, stop_token_ids=(int(t),)) for t in free.tokens[:, 0]]
+    out = jdeep.generate(model, PROMPTS, sampling=ps, ignore_eos=True, return_logits=True, stream_every=4)
+    V = model.config.vocab_size
+    assert out.tokens.shape == (3, 40) and out.logits.shape == (3, 40, V)
+    np.testing.assert_array_equal(out.tokens[:, 0], free.tokens[:, 0])
+    assert (out.tokens[:, 1:] == -1).all() and np.isnan(out.logits[:, 1:]).all() and np.isfinite(out.logits[:, 0]).all()

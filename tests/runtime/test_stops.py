@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from conftest import golden_path
 
-from jdeep.runtime.stops import StopMatcher
 from jdeep.io.tokenizer import Tokenizer
+from jdeep.runtime.stops import StopMatcher
 
 TEXT = "Grüße, 世界! The answer is 42.\n\nUser: more? Ünïcödé ✓"
 

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import numpy as np
+import functools
+
 import pytest
 
-from jdeep.tools.random_weights import write_word_tokenizer
-from jdeep.serve import SamplingParams
-from jdeep.serve.openai_protocol import APIError, ServingContext, parse_chat, parse_completion
+from jdeep import SamplingParams
 from jdeep.io.tokenizer import Tokenizer
+from jdeep.runtime.requests import check_request
+from jdeep.serve.openai_protocol import APIError, ServingContext, parse_chat, parse_completion
+from jdeep.tools.random_weights import write_word_tokenizer
 
 V, MAX_LEN = 512, 64
 
 
-def _check(ids, params: SamplingParams):
-    a = np.asarray(ids)
-    if (a < 0).any() or (a >= V).any():
-        raise ValueError("token id outside the vocabulary")
-    return a.astype(np.int32), params.validate(V)
+def _check(tokenizer):
+    """The engine's request validation for a model of V tokens and MAX_LEN positions."""
+    return functools.partial(check_request, vocab_size=V, max_len=MAX_LEN, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def tok(tmp_path_factory):
 
 @pytest.fixture
 def ctx(tok):
-    return ServingContext("m", MAX_LEN, tok, _check)
+    return ServingContext("m", MAX_LEN, tok, _check(tok))
 
 
 def _error(fn, body, ctx) -> APIError:
@@ -90,7 +90,7 @@ def test_chat_messages(ctx, tok):
 
 
 def test_without_a_tokenizer_token_ids_come_back_and_text_is_refused(ctx):
-    bare = ServingContext("m", MAX_LEN, None, _check)
+    bare = ServingContext("m", MAX_LEN, None, _check(None))
     assert parse_completion({"prompt": [0, 5]}, bare).return_token_ids
     assert not parse_completion({"prompt": [0, 5]}, ctx).return_token_ids
     assert "tokenizer" in _error(parse_completion, {"prompt": "tok5"}, bare).message

@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import openai
 import pytest
+from conftest import golden_path
 
 import jdeep
-from jdeep.tools.random_weights import write_word_tokenizer
+from jdeep.io.tokenizer import Tokenizer
 from jdeep.runtime.engine import Engine
 from jdeep.serve.server import ServerSettings, background_server
-from jdeep.io.tokenizer import Tokenizer
-from conftest import golden_path
+from jdeep.tools.random_weights import write_word_tokenizer
 
 KEY = "test-key"
 MAX_LEN = 64

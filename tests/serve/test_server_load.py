@@ -15,11 +15,12 @@ import openai
 import pytest
 
 import jdeep
-from jdeep.tools.random_weights import TINY_CONFIG, one_layer_config, random_checkpoint
-from jdeep.serve import SamplingParams
+from jdeep import SamplingParams
+from jdeep.presets import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
-from jdeep.tools.loadgen import make_requests, run_load, summarize
 from jdeep.serve.server import ServerSettings, background_server
+from jdeep.tools.loadgen import make_requests, run_load, summarize
+from jdeep.tools.random_weights import random_checkpoint
 
 ENGINE = dict(max_num_seqs=8, max_len=64, prefill_chunk=16)
 

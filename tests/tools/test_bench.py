@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from jdeep.cli import main
-from jdeep.tools.random_weights import one_layer_config
+from jdeep.presets import one_layer_config
 
 RUN_FIELDS = {"batch_size", "input_len", "output_len", "compile_s", "ttft_s", "prefill_tok_s", "itl_ms",
               "decode_tok_s_per_seq", "decode_tok_s", "decode_step_bytes", "achieved_bandwidth_gbs",

@@ -13,12 +13,13 @@ import pytest
 pytest.importorskip("torch", reason="--compare needs the optional 'compare' extra (torch)")
 pytest.importorskip("transformers", reason="--compare needs the optional 'compare' extra (transformers)")
 
-import jdeep  # noqa: E402
 from conftest import REPO, golden_path  # noqa: E402
+
+import jdeep  # noqa: E402
 from jdeep.cli import main  # noqa: E402
 from jdeep.config import ModelConfig  # noqa: E402
-from jdeep.tools.random_weights import random_checkpoint  # noqa: E402
 from jdeep.tools.compare import greedy_agreement, hf_config, load_transformers  # noqa: E402
+from jdeep.tools.random_weights import random_checkpoint  # noqa: E402
 
 BENCH_SMALL = REPO.parent / "shared" / "bench" / "v4-bench-small.json"
 HF_RUN_FIELDS = {"batch_size", "input_len", "output_len", "warmup_s", "ttft_s", "prefill_tok_s", "itl_ms",
@@ -90,8 +91,9 @@ def test_translation_of_golden_config_equals_its_own():
 
 
 def test_missing_tensor_fails_loudly(tmp_path):
-    from jdeep.io.checkpoint import write_safetensors
     from safetensors.numpy import load_file
+
+    from jdeep.io.safetensors import write_safetensors
 
     raw = _shrunk_bench_small()
     random_checkpoint(raw, tmp_path, seed=0)
@@ -103,7 +105,7 @@ def test_missing_tensor_fails_loudly(tmp_path):
 
 
 def test_quantized_and_v41_checkpoints_are_refused():
-    from jdeep.tools.random_weights import tiny_v41_config
+    from jdeep.presets import tiny_v41_config
 
     q = dict(_shrunk_bench_small(), quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(ValueError, match="unquantized"):

@@ -1,4 +1,4 @@
-"""Deployment planning: `jdeep.info.device_plan` / `jdeep info --mesh` (per-device parameter and state bytes).
+"""Deployment planning: `jdeep.tools.info.device_footprint` / `jdeep info --mesh` (per-device parameter and state bytes).
 No compiles, no devices: the layout runs over an AbstractMesh."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import pytest
 from conftest import golden_path
 
 from jdeep.cli import main
-from jdeep.config import ModelConfig, preset
-from jdeep.tools.info import abstract_layout, device_plan, mesh_summary, param_bytes_by_dtype
+from jdeep.config import ModelConfig
 from jdeep.plan import build_plan
+from jdeep.presets import preset
 from jdeep.sharding import AXES
 from jdeep.state import state_bytes
+from jdeep.tools.info import abstract_layout, device_footprint, mesh_summary, param_bytes_by_dtype
 
 BF16 = ml_dtypes.bfloat16
 
@@ -45,7 +46,7 @@ def _routed_expert_bytes_tiny(c: ModelConfig, n_experts: int) -> int:
 
 def test_one_device_reproduces_the_unsharded_totals(tiny):
     for dtype in (np.float32, BF16):
-        p = device_plan(tiny, "data=1", dtype, batch=3, max_len=256)
+        p = device_footprint(tiny, "data=1", dtype, batch=3, max_len=256)
         assert p.devices == 1 and p.pad_bytes == 0
         assert p.param_bytes_by_dtype == param_bytes_by_dtype(tiny, dtype)
         assert p.param_bytes == p.model_param_bytes == sum(param_bytes_by_dtype(tiny, dtype).values())
@@ -55,7 +56,7 @@ def test_one_device_reproduces_the_unsharded_totals(tiny):
 
 @pytest.mark.parametrize("mesh", ["data=2,tensor=2,expert=3", "tensor=4,expert=2", "expert=8", "data=4"])
 def test_device_shares_add_up_to_the_model(tiny, mesh):
-    p = device_plan(tiny, mesh, np.float32, batch=4, max_len=128)
+    p = device_footprint(tiny, mesh, np.float32, batch=4, max_len=128)
     sizes = p.mesh
     assert p.devices == math.prod(sizes[a] for a in AXES)
     E = tiny.n_routed_experts
@@ -79,7 +80,7 @@ def test_device_shares_add_up_to_the_model(tiny, mesh):
 
 
 def test_state_stays_whole_when_data_does_not_divide_the_batch(tiny):
-    p = device_plan(tiny, "data=2", np.float32, batch=3, max_len=128)
+    p = device_footprint(tiny, "data=2", np.float32, batch=3, max_len=128)
     assert p.state_split == 1
     assert p.state_bytes == state_bytes(tiny, build_plan(tiny), 3, 128, np.float32)
 
@@ -88,21 +89,21 @@ def test_v4_flash_routed_experts_are_one_sixteenth_per_device():
     c = preset("v4-flash")
     whole = _routed_expert_bytes(c, c.n_routed_experts)
     assert whole == 43 * 256 * 3 * (2048 * 4096 // 2 + 2048 * 4096 // 32)
-    p = device_plan(c, "expert=16", BF16)
+    p = device_footprint(c, "expert=16", BF16)
     assert p.n_experts_padded == 256 and p.pad_bytes == 0
     assert p.routed_expert_bytes * 16 == whole
     # with tensor=4 the experts' width (2048 = 4 x 512 columns, whole 128-blocks) also splits: 1/64 per device
-    p = device_plan(c, "data=1,tensor=4,expert=16", BF16)
+    p = device_footprint(c, "data=1,tensor=4,expert=16", BF16)
     assert p.expert_inter
     assert p.routed_expert_bytes * 64 == whole
     # and the other leaves' per-device bytes do not depend on how the experts split
-    q = device_plan(c, "tensor=4", BF16)
+    q = device_footprint(c, "tensor=4", BF16)
     assert p.param_bytes - p.routed_expert_bytes == q.param_bytes - q.routed_expert_bytes
 
 
 def test_expert_padding_when_the_expert_axis_does_not_divide():
     c = preset("v4-flash")
-    p = device_plan(c, "expert=12", BF16)
+    p = device_footprint(c, "expert=12", BF16)
     assert p.n_experts_padded == 264
     assert p.pad_bytes == _routed_expert_bytes(c, 8)
     assert p.routed_expert_bytes * 12 == _routed_expert_bytes(c, 264)
@@ -121,9 +122,9 @@ def test_abstract_layout_matches_the_real_layout_on_one_device(tiny):
 
 def test_bad_batch_is_a_value_error(tiny):
     with pytest.raises(ValueError, match="batch"):
-        device_plan(tiny, "data=1", batch=0)
+        device_footprint(tiny, "data=1", batch=0)
     with pytest.raises(ValueError, match="max_len"):
-        device_plan(tiny, "data=1", max_len=-5)
+        device_footprint(tiny, "data=1", max_len=-5)
 
 
 def test_cli_prints_per_device_figures(capsys):
@@ -132,7 +133,7 @@ def test_cli_prints_per_device_figures(capsys):
     out = capsys.readouterr().out
     assert "6880 B/token" in out                                   # the summary is still there
     assert "mesh            data=1,tensor=4,expert=16 (64 devices" in out
-    p = device_plan(preset("v4-flash"), "data=1,tensor=4,expert=16", BF16, batch=8, max_len=8192)
+    p = device_footprint(preset("v4-flash"), "data=1,tensor=4,expert=16", BF16, batch=8, max_len=8192)
     assert f"total {p.param_bytes / 2**30:.3f} GiB" in out
     assert f"state/device    {p.state_bytes / 2**30:.3f} GiB for batch 8 x max-len 8192" in out
     assert f"total/device    {p.total_bytes / 2**30:.3f} GiB" in out

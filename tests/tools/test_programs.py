@@ -10,14 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import golden_path
 
 import jdeep
-from conftest import golden_path
 from jdeep.cli import main
+from jdeep.presets import TINY_CONFIG
 from jdeep.tools.export import call_exported, load_exported
 from jdeep.tools.graphcheck import Limits, check_lowered
 from jdeep.tools.programs import Target, model_programs, step_inputs
-from jdeep.tools.random_weights import TINY_CONFIG, random_checkpoint
+from jdeep.tools.random_weights import random_checkpoint
 
 
 @pytest.mark.parametrize("name", ["v4-tiny-hf", pytest.param("v4-tiny-q", marks=pytest.mark.slow), "v41-tiny-q"])

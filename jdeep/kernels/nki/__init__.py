@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 
+from ..registry import register
+
 __all__ = ["KERNELS", "register_all"]
 
 # op name -> (module, JAX op, kernel body)
@@ -39,7 +41,5 @@ def module(op: str):
 
 def register_all() -> None:
     """Register every NKI op under the `neuron` platform (imports the `nki` package)."""
-    from .. import register
-
     for op, (_, fn, _) in KERNELS.items():
         register(op, "neuron")(getattr(module(op), fn))

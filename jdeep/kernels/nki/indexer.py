@@ -24,7 +24,6 @@ that is ~5 PE cycles per key, more than the key stream's HBM time on one core (d
 from __future__ import annotations
 
 import jax.numpy as jnp
-
 import nki
 import nki.isa as nisa
 import nki.language as nl

@@ -31,6 +31,7 @@ latency-bound elementwise work."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -274,8 +275,6 @@ def _like(a, shape):
     """a broadcast to `shape` (the twins broadcast their per-token operands; the kernels take one row per token)."""
     if tuple(a.shape) == tuple(shape):
         return a
-    import jax.numpy as jnp
-
     return jnp.broadcast_to(a, shape)
 
 

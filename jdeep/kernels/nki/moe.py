@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 import nki
 import nki.isa as nisa
 import nki.language as nl

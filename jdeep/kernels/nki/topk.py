@@ -31,11 +31,10 @@ puts +0.0 first).
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
-
 import nki
 import nki.isa as nisa
 import nki.language as nl
+import numpy as np
 
 __all__ = ["topk_kernel", "topk"]
 

@@ -121,6 +121,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import jax
+
 from .analysis import _Analysis
 from .mlir import Module
 from .report import NOT_CHECKED_HERE, RULES, Limits, Report, Violation
@@ -174,8 +176,6 @@ def check_lowered(lowered: Any, *, name: str = "program", n_experts: int | None 
                   limits: Limits = Limits(), rules: Iterable[str] | None = None) -> Report:
     """Check a ``jax.stages.Lowered`` (``jax.jit(f, donate_argnums=...).lower(*args)``): its text plus the donation
     flags of its flattened arguments, mapped onto the ``@main`` arguments JAX kept (unused ones are pruned)."""
-    import jax
-
     text = lowered.as_text()
     flags = [bool(getattr(a, "donated", False)) for a in jax.tree_util.tree_leaves(lowered.args_info)]
     kept = None

@@ -1,9 +1,18 @@
-"""A light, line-based parser of StableHLO/MLIR text: functions, ops with regions, values and their types."""
+"""A light, line-based parser of StableHLO/MLIR text: functions, ops with regions, values and their types.
+
+Line lexing lives in ``mlir_lex``, type text in ``mlir_types``; ``tensor_dims_elem`` and ``elem_type`` are
+re-exported here."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+
+from .mlir_lex import _blank_strings, _find_top, _mask_arrows, _split_top, _strip_locs
+from .mlir_types import _read_type, _result_types, elem_type, tensor_dims_elem
+
+# elem_type and tensor_dims_elem are re-exported: the public type helpers of the parsed values
+__all__ = ["Module", "Op", "Region", "Value", "elem_type", "tensor_dims_elem"]
 
 # ----------------------------------------------------------------------------------------------------------------
 # Parser
@@ -91,7 +100,6 @@ def _short_name(name: str) -> str:
     return name
 
 
-_STR_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
 _OP_RE = re.compile(
     r'^(?:(?P<res>%[\w.$\-]+(?::\d+)?(?:\s*,\s*%[\w.$\-]+)*)\s*=\s*)?(?:"(?P<gname>[\w.$\-]+)"|(?P<name>[A-Za-z_][\w.$\-]*))'
 )
@@ -99,182 +107,6 @@ _REF_RE = re.compile(r"%[\w.$\-]+(?:#\d+)?")
 _DEF_RE = re.compile(r"(%[\w.$\-]+)\s*:\s*(?=[a-z!(])")
 _ITER_RE = re.compile(r"(%[\w.$\-]+)\s*=\s*(%[\w.$\-]+(?:#\d+)?)")
 _CALLEE_RE = re.compile(r"@([\w.$\-]+)")
-_OPEN = "([{<"
-_CLOSE = ")]}>"
-
-
-_GENERIC_HEAD_RE = re.compile(r'^\s*(?:%[\w.$#:\-, %]*=\s*)?"[\w.$\-]+"')
-
-
-_QUOTED_SYM_RE = re.compile(r'@"((?:[^"\\]|\\.)*)"')
-
-
-def _sym(name: str) -> str:
-    """A quoted symbol name (``@"<lambda>"``) as a bare one (``@_q_3c_lambda_3e_``), injectively."""
-    return "_q" + re.sub(r"[^\w]", lambda c: f"_{ord(c.group()):x}_", name)
-
-
-def _blank_strings(raw: str) -> str:
-    """Blank string literals ("..." -> ""), keeping a generic op name ("stablehlo.scatter"(...)) intact and
-    turning quoted symbol names (@"<lambda>") into bare ones."""
-    raw = _QUOTED_SYM_RE.sub(lambda m: "@" + _sym(m.group(1)), raw)
-    m = _GENERIC_HEAD_RE.match(raw)
-    k = m.end() if m else 0
-    return raw[:k] + _STR_RE.sub('""', raw[k:])
-
-
-def _matching(s: str, start: int, open_: str, close: str) -> int:
-    """Index of the bracket closing the one at s[start] (or the last index if unbalanced)."""
-    d, j = 0, start
-    while j < len(s):
-        d += (s[j] == open_) - (s[j] == close)
-        if d == 0:
-            break
-        j += 1
-    return j
-
-
-def _strip_locs(s: str) -> str:
-    """Remove ``loc(...)`` annotations (balanced parentheses); strings must already be blanked."""
-    while True:
-        i = s.find("loc(")
-        if i < 0 or (i > 0 and (s[i - 1].isalnum() or s[i - 1] in "_.")):
-            return s
-        j = _matching(s, i + 3, "(", ")")
-        s = s[:i].rstrip() + " " + s[j + 1:]
-
-
-def _mask_arrows(s: str) -> str:
-    return s.replace("->", "~~")
-
-
-def _split_top(s: str, sep: str = ",") -> list[str]:
-    """Split at depth-0 separators (depth over ()[]{}<>, '->' ignored)."""
-    m = _mask_arrows(s)
-    parts, d, start = [], 0, 0
-    for i, ch in enumerate(m):
-        if ch in _OPEN:
-            d += 1
-        elif ch in _CLOSE:
-            d -= 1
-        elif ch == sep and d == 0:
-            parts.append(s[start:i].strip())
-            start = i + 1
-    tail = s[start:].strip()
-    if tail:
-        parts.append(tail)
-    return parts
-
-
-def _find_top(s: str, token: str, last: bool = True) -> int:
-    """Index of a depth-0 occurrence of ``token`` in ``s`` (last or first), -1 if none."""
-    m = _mask_arrows(s) if token != "->" else s.replace("->", "\0\0")
-    tok = token if token != "->" else "\0\0"
-    d, found = 0, -1
-    for i, ch in enumerate(m):
-        if d == 0 and m.startswith(tok, i):
-            found = i
-            if not last:
-                return i
-        if ch in _OPEN:
-            d += 1
-        elif ch in _CLOSE:
-            d -= 1
-    return found
-
-
-def _read_type(s: str, i: int) -> str:
-    """The type starting at s[i] (balanced <...>/(...)), up to a depth-0 ',' ')' '{' or whitespace."""
-    d, j = 0, i
-    while j < len(s):
-        ch = s[j]
-        if ch in "<(":
-            d += 1
-        elif ch in ">)":
-            if d == 0:
-                break
-            d -= 1
-        elif d == 0 and (ch in ",{" or ch.isspace()):
-            break
-        j += 1
-    return s[i:j]
-
-
-def _types_in(s: str) -> list[str]:
-    """All ``tensor<...>`` types in s (balanced, so ``tensor<4xcomplex<f32>>`` is one type)."""
-    out, i = [], 0
-    while True:
-        i = s.find("tensor<", i)
-        if i < 0:
-            return out
-        j = _matching(s, i + 6, "<", ">")
-        out.append(s[i: j + 1])
-        i = j + 1
-
-
-_DIM_RE = re.compile(r"^((?:(?:\d+|\?)x)*)(.+)$")
-
-
-def tensor_dims_elem(t: str) -> tuple[list[str], str]:
-    """``tensor<2x?xf32>`` -> (["2", "?"], "f32"); a non-tensor type t -> ([], t)."""
-    t = t.strip()
-    if not t.startswith("tensor<"):
-        return [], t
-    parts = _split_top(t[7:-1]) if t.endswith(">") else [t[7:]]
-    body = parts[0] if parts else ""
-    m = _DIM_RE.match(body)
-    if not m:
-        return [], body
-    return [d for d in m.group(1).split("x") if d], m.group(2).strip()
-
-
-def elem_type(t: str) -> str:
-    return tensor_dims_elem(t)[1]
-
-
-def _is_int(e: str) -> bool:
-    return bool(re.fullmatch(r"u?i\d+", e))
-
-
-def _int_width(e: str) -> int:
-    m = re.fullmatch(r"u?i(\d+)", e)
-    return int(m.group(1)) if m else 0
-
-
-def _is_float(e: str) -> bool:
-    return bool(re.match(r"(b?f\d|tf32|complex)", e))
-
-
-_LOWP_RE = re.compile(r"f[468]E\d")
-
-
-def _result_types(sig: str, n: int) -> list[str]:
-    """Result types of an op from its trailing type signature."""
-    if not sig or n == 0:
-        return [""] * n
-    k = _find_top(sig, "->")
-    if k >= 0:
-        outs = sig[k + 2:].strip()
-        if outs.startswith("("):
-            outs = outs[1: outs.rfind(")")]
-        parts = [_read_type(p, 0) for p in _split_top(outs)]
-    else:
-        parts = [_read_type(p, 0) for p in _split_top(sig)]
-    if len(parts) == n:
-        return parts
-    if n == 1:
-        return [parts[-1]] if parts else [""]
-    return (parts[-n:] if len(parts) >= n else parts + [""] * (n - len(parts)))
-
-
-def _input_types(sig: str) -> list[str]:
-    k = _find_top(sig, "->")
-    if k < 0:
-        return []
-    ins = sig[:k].strip()
-    if ins.startswith("("):
-        ins = ins[1: ins.rfind(")")]
-    return [_read_type(p, 0) for p in _split_top(ins)]
 
 
 class Module:

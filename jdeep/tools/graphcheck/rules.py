@@ -6,18 +6,15 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .analysis import _FORWARDING, _Analysis, _Bounds, _compare_type, _direction
-from .mlir import (
+from .analysis import _Analysis, _compare_type, _direction
+from .bounds import _FORWARDING, _Bounds
+from .mlir import Module, Op, Value, _short_name, _terminator
+from .mlir_types import (
     _LOWP_RE,
-    Module,
-    Op,
-    Value,
     _input_types,
     _int_width,
     _is_float,
     _is_int,
-    _short_name,
-    _terminator,
     _types_in,
     elem_type,
     tensor_dims_elem,

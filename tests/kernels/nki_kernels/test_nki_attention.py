@@ -24,11 +24,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+import nki
 import numpy as np
 import pytest
-
-import nki
 from conftest import golden_path
+
 from jdeep.kernels import reference
 from jdeep.kernels.nki import attention
 

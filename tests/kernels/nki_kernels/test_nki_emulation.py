@@ -3,12 +3,11 @@ leniency). Only meaningful for the emulation itself: with the real `nki` these c
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import nki
 import nki.isa as nisa
 import nki.language as nl
+import numpy as np
+import pytest
 
 pytestmark = pytest.mark.skipif(not getattr(nki, "EMULATED", False),
                                 reason="checks the emulation; the real nki package is installed")

@@ -17,10 +17,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+import nki
 import numpy as np
 import pytest
 
-import nki
 from jdeep.kernels import reference
 from jdeep.kernels.nki import indexer, topk
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import ml_dtypes
+import nki
 import numpy as np
 import pytest
 
-import nki
 from jdeep.kernels import reference
 from jdeep.kernels.nki import gemm, mhc, norm, swiglu
 

@@ -14,21 +14,21 @@ import re
 
 import jax
 import jax.numpy as jnp
+import nki
 import pytest
 
-import nki
-from jdeep.tools import programs as graphs
-from jdeep import kernels
-from jdeep.model import regions
-from jdeep.io.checkpoint import abstract_params
 from jdeep.config import ModelConfig
-from jdeep.tools.graphcheck import check_lowered
 from jdeep.kernels import nki as nki_kernels
-from jdeep.model.model import model_step
+from jdeep.kernels import registry
+from jdeep.model import model_step
+from jdeep.model.cache import ProgramCache
 from jdeep.numerics import Numerics
+from jdeep.param_spec import abstract_params
 from jdeep.plan import build_plan
-from jdeep.tools.random_weights import TINY_CONFIG, one_layer_config, tiny_v41_config
+from jdeep.presets import TINY_CONFIG, one_layer_config, tiny_v41_config
 from jdeep.state import init_state
+from jdeep.tools import programs as graphs
+from jdeep.tools.graphcheck import check_lowered
 
 pytestmark = pytest.mark.skipif(not getattr(nki, "EMULATED", False), reason="the recording stand-in is the emulation's")
 
@@ -54,7 +54,7 @@ def _lower(config: ModelConfig, batch: int, S: int, max_len: int = 256) -> str:
 
 def _neuron_and_cpu(monkeypatch, config: ModelConfig, batch: int, S: int) -> tuple[str, list[dict], str]:
     nki_kernels.register_all()
-    monkeypatch.setattr(kernels, "_backend", lambda: "neuron")
+    monkeypatch.setattr(registry, "_backend", lambda: "neuron")
     nki.RECORDED.clear()
     neuron = _lower(config, batch, S)
     recorded = list(nki.RECORDED)
@@ -79,15 +79,9 @@ def _n_calls(text: str) -> int:
 def _regions_programs(config: ModelConfig) -> list:
     """Every program of the regions compile mode (Neuron's default) for a 2-slot bucket, prefill 32 and decode, with
     fresh jits and program caches (the model's cached programs are not touched)."""
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(graphs, "regions_step", regions.regions_step.__wrapped__)
-    monkey.setattr(regions, "_PROGRAMS", {})
-    try:
-        target = graphs.Target(config, build_plan(config), Numerics.for_config(config, fp8_max=240.0), jnp.bfloat16,
-                               "regions")
-        return graphs.model_programs(target, (2,), 32, 256)
-    finally:
-        monkey.undo()
+    target = graphs.Target(config, build_plan(config), Numerics.for_config(config, fp8_max=240.0), jnp.bfloat16,
+                           "regions")
+    return graphs.model_programs(target, (2,), 32, 256, cache=ProgramCache())
 
 
 V4_CONFIG = dict(TINY_CONFIG, head_dim=128, qk_rope_head_dim=64, index_head_dim=64,   # blocks DeepSeek's numerics tile
@@ -100,7 +94,7 @@ def test_neuron_programs_call_every_kernel_and_pass_the_compile_safety_rules(mon
     model kernel of the registry, and each passes the compile-safety rules (neuron-notes §9) with its custom calls."""
     config = ModelConfig.from_dict(raw)
     nki_kernels.register_all()
-    monkeypatch.setattr(kernels, "_backend", lambda: "neuron")
+    monkeypatch.setattr(registry, "_backend", lambda: "neuron")
     nki.RECORDED.clear()          # recorded when a program is first traced (building the list traces some)
     programs = _regions_programs(config)
     texts = [prog.lower() for prog in programs]

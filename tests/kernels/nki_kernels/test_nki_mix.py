@@ -25,12 +25,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+import nki
 import numpy as np
 import pytest
 
-import nki
 from jdeep import kernels
-from jdeep.kernels import nki as nki_kernels, reference
+from jdeep.kernels import nki as nki_kernels
+from jdeep.kernels import reference
 from jdeep.kernels.nki import mhc, pool
 
 BF16 = ml_dtypes.bfloat16

@@ -16,15 +16,15 @@ from __future__ import annotations
 import functools
 
 import jax
+import nki
 import numpy as np
 import pytest
+from conftest import golden_path
 
 import jdeep
-import nki
-from conftest import golden_path
-from jdeep import kernels
 from jdeep.kernels import nki as nki_kernels
-from jdeep.model.model import model_step
+from jdeep.kernels import registry
+from jdeep.model import model_step
 
 pytestmark = pytest.mark.skipif(not getattr(nki, "EMULATED", False), reason="host execution is the emulation's")
 
@@ -58,7 +58,7 @@ def test_neuron_path_with_emulated_kernels_equals_the_references(monkeypatch, go
     want = _steps(model, toks, pos)
 
     nki_kernels.register_all()
-    monkeypatch.setattr(kernels, "_backend", lambda: "neuron")
+    monkeypatch.setattr(registry, "_backend", lambda: "neuron")
     nki.RECORDED.clear()
     with nki.host_execution():
         got = _steps(model, toks, pos)

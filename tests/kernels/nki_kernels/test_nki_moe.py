@@ -29,12 +29,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import ml_dtypes
-import numpy as np
-import pytest
-
 import nki
 import nki.isa as nisa
 import nki.language as nl
+import numpy as np
+import pytest
+
 from jdeep.kernels import codecs, reference
 from jdeep.kernels.nki import moe
 from jdeep.kernels.quant import dequant_fp4, dequant_fp8

@@ -22,9 +22,9 @@ def test_every_kernel_has_a_twin_with_its_signature():
     assert set(nki_kernels.KERNELS) <= set(impls)
     for op in nki_kernels.KERNELS:
         assert "reference" in impls[op] and "neuron" in impls[op], op
-        ours, twin = kernels._IMPLS[op]["neuron"], kernels._IMPLS[op]["reference"]
+        ours, twin = kernels.implementation(op, "neuron"), kernels.implementation(op, "reference")
         assert _params(ours) == _params(twin), op
         assert callable(getattr(nki_kernels.module(op), nki_kernels.KERNELS[op][2]))
     assert jax.default_backend() != "neuron"
     for op in nki_kernels.KERNELS:          # not on Neuron: the references
-        assert kernels.get(op) is kernels._IMPLS[op]["reference"]
+        assert kernels.get(op) is kernels.implementation(op, "reference")

@@ -1,4 +1,4 @@
-"""Tests of jdeep.graphcheck: for every implemented rule a small JAX program (lowered on CPU with JAX 0.10.0) or a
+"""Tests of jdeep.tools.graphcheck: for every implemented rule a small JAX program (lowered on CPU with JAX 0.10.0) or a
 hand-written StableHLO snippet that violates it, and compliant twins that pass."""
 
 from __future__ import annotations

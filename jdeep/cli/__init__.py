@@ -1,0 +1,160 @@
+"""The `jdeep` command line: the parser of every command (commands.py holds their bodies, args.py the shared
+flags) and `main`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..presets import PRESET_NAMES
+from .args import (
+    BARE,
+    RUNTIME,
+    add_graph_args,
+    add_load_args,
+    add_process_args,
+    add_sampling_args,
+    init_distributed,
+    setup_compile_cache,
+)
+from .commands import (
+    cmd_bench,
+    cmd_chat,
+    cmd_check_graph,
+    cmd_convert,
+    cmd_demo,
+    cmd_export,
+    cmd_generate,
+    cmd_info,
+    cmd_serve,
+)
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jdeep", description="DeepSeek-V4 inference in JAX")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="generate with a built-in seeded random tiny model (no download)")
+    d.add_argument("--max-new-tokens", type=int, default=16)
+    d.add_argument("--seed", type=int, default=0)
+    add_load_args(d, "dtype")
+    d.add_argument("--arch", choices=["v4", "v41"], default="v4", help="the tiny model's architecture")
+    add_load_args(d, *RUNTIME)
+    add_process_args(d)
+    d.set_defaults(fn=cmd_demo)
+
+    g = sub.add_parser("generate", help="continue one prompt, or a file of prompts through the batching engine")
+    g.add_argument("--model", required=True, help="checkpoint folder (config.json + safetensors)")
+    g.add_argument("--prompt-ids", help="comma-separated token ids")
+    g.add_argument("--prompt", help="text (needs the checkpoint's tokenizer.json)")
+    g.add_argument("--prompts-file", help="JSONL: {\"prompt_ids\": [...]} or {\"prompt\": \"...\"} per line, optional "
+                                          "\"id\" and sampling fields; JSONL results in input order")
+    g.add_argument("--output", help="where --prompts-file results go (default: stdout)")
+    g.add_argument("--max-num-seqs", type=int, default=8, help="engine slots for --prompts-file")
+    g.add_argument("--max-len", type=int, default=2048, help="longest prompt + output for --prompts-file")
+    add_sampling_args(g, max_new_tokens=16, temperature=0.0, top_p=1.0)
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
+    add_load_args(g)
+    add_process_args(g)
+    g.set_defaults(fn=cmd_generate)
+
+    ch = sub.add_parser("chat", help="interactive chat with streaming replies (needs tokenizer.json)")
+    ch.add_argument("--model", required=True)
+    ch.add_argument("--system", help="system prompt")
+    ch.add_argument("--thinking", action="store_true", help="open each reply in thinking mode (<think>)")
+    add_sampling_args(ch, max_new_tokens=512, temperature=0.7, top_p=0.95)
+    add_load_args(ch, "dtype", *RUNTIME)
+    add_process_args(ch)
+    ch.set_defaults(fn=cmd_chat)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions "
+                                      "(streaming), /v1/models, /health, /metrics")
+    sv.add_argument("--model", required=True, help="checkpoint folder (config.json + safetensors [+ tokenizer.json])")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=os.environ.get("JDEEP_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1/* (default $JDEEP_API_KEY; none: open)")
+    sv.add_argument("--served-model-name", help="the model id clients send (default: the folder's name)")
+    sv.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint folder's")
+    sv.add_argument("--max-num-seqs", type=int, default=8, help="engine slots (requests decoded together)")
+    sv.add_argument("--max-len", type=int, default=4096, help="longest prompt + completion, in tokens")
+    sv.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step")
+    sv.add_argument("--seed", type=int, default=0, help="base seed of requests sent without one")
+    sv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="compile every batch-size and prefill-length bucket before serving (default on: no compile "
+                         "pauses under traffic)")
+    sv.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="on SIGINT/SIGTERM, seconds requests in flight may take to finish before they are cancelled")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_load_args(sv, quantize_activations=BARE, fp8_max=BARE, packed_kv=BARE)
+    add_process_args(sv)
+    sv.set_defaults(fn=cmd_serve)
+
+    b = sub.add_parser("bench", help="prefill/decode speed, latency percentiles, memory and bandwidth roofline")
+    bsrc = b.add_mutually_exclusive_group()
+    bsrc.add_argument("--model", help="checkpoint folder")
+    bsrc.add_argument("--random-weights", help="config.json to build a seeded random checkpoint from "
+                                               "(default: a built-in small DeepSeek-V4)")
+    b.add_argument("--input-len", type=int, default=512)
+    b.add_argument("--output-len", type=int, default=32)
+    b.add_argument("--batch-size", default="1,8", help="comma-separated batch sizes (a sweep)")
+    b.add_argument("--prompts-file", help="JSONL with prompt_ids per line instead of random prompts")
+    b.add_argument("--seed", type=int, default=0)
+    add_load_args(b, "dtype", dtype={"default": None, "help": "default: float32 on CPU (XLA:CPU emulates bfloat16 "
+                                     "matmuls, several times slower), bfloat16 on accelerators"})
+    b.add_argument("--json", help="write the full result (schema jdeep.bench/1, see jdeep/tools/bench.py)")
+    b.add_argument("--plot", help="write a PNG of the sweep (needs matplotlib)")
+    b.add_argument("--compare", choices=["transformers"],
+                   help="also run transformers' DeepseekV4ForCausalLM on the same checkpoint, dtype and prompts and "
+                        "print jdeep/transformers ratios (unquantized DeepSeek-V4 only; pip install 'jdeep[compare]')")
+    add_load_args(b, *RUNTIME)
+    add_process_args(b)
+    b.set_defaults(fn=cmd_bench)
+
+    i = sub.add_parser("info", help="config summary, parameter bytes by dtype, state bytes per token")
+    src = i.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model")
+    src.add_argument("--preset", choices=PRESET_NAMES)
+    add_load_args(i, "dtype")
+    i.add_argument("--mesh", help="deployment planning: also print parameter and decode-state bytes per device of this "
+                                  "mesh, e.g. data=1,tensor=4,expert=16 (sharded as jdeep.load(..., mesh=) shards)")
+    i.add_argument("--batch", type=int, help="with --mesh: sequence slots of the decode state (default 1)")
+    i.add_argument("--max-len", type=int, help="with --mesh: tokens per sequence of the decode state (default 8192)")
+    i.add_argument("--packed-kv", action="store_true", help="with --mesh: the KV caches as uint8 fp8 records")
+    i.set_defaults(fn=cmd_info)
+
+    c = sub.add_parser("convert", help="load a checkpoint and save the converted tree with Orbax")
+    c.add_argument("--model", required=True)
+    c.add_argument("--out", required=True)
+    add_load_args(c, "dtype")
+    c.set_defaults(fn=cmd_convert)
+
+    cg = sub.add_parser("check-graph", help="lower every program jdeep compiles for a model and check it against the "
+                                            "Neuron compile-safety rules (jdeep/graphcheck)")
+    add_graph_args(cg)
+    cg.add_argument("--max-args", type=int, default=128, help="bound on a program's flattened arguments (S19)")
+    cg.add_argument("--verbose", "-v", action="store_true", help="print every program's report")
+    cg.set_defaults(fn=cmd_check_graph)
+
+    e = sub.add_parser("export", help="write the StableHLO (text, bytecode, jax.export) of every program jdeep "
+                                      "compiles for a model, with a JSON manifest")
+    add_graph_args(e)
+    e.add_argument("--out", required=True)
+    e.set_defaults(fn=cmd_export)
+    return p
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_compile_cache(args)
+    try:
+        init_distributed(args)
+        return args.fn(args)
+    except (FileNotFoundError, ValueError) as e:  # ConfigError / CheckpointError are ValueErrors
+        print(f"jdeep {args.command}: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,171 @@
+"""The command line's shared arguments: the `jdeep.load` flags, the sampling flags, the multi-process and
+compile-cache flags, and turning parsed arguments into load keywords, SamplingParams and process setup."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from ..io.tokenizer import Tokenizer
+from ..presets import PRESET_NAMES
+from ..runtime.sampling import SamplingParams
+
+DTYPES = ["float32", "bfloat16"]
+BARE = {"help": None}   # a flag listed without help text (jdeep serve's numerics flags, check-graph's)
+# The flags that become jdeep.load keywords (load_kwargs), in the order --help lists them
+LOAD_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "dtype": ("--dtype", dict(choices=DTYPES, default="float32")),
+    "quantize_activations": ("--quantize-activations", dict(
+        action=argparse.BooleanOptionalAction, default=None,
+        help="DeepSeek's numerics for quantized checkpoints (default: on for fp8/fp4 checkpoints)")),
+    "fp8_max": ("--fp8-max", dict(type=float, help="448 (e4m3fn) or 240/224 for Trainium2's e4m3 (default: the "
+                                                   "platform's, 240 on trn1/trn2, else 448)")),
+    "packed_kv": ("--packed-kv", dict(action="store_true", help="keep the KV cache as uint8 fp8 records")),
+    "compile_mode": ("--compile-mode", dict(
+        choices=["scan", "regions"],
+        help="scan: one program per step; regions: a host loop over layers, one program per layer kind's half "
+             "(default $JDEEP_COMPILE_MODE, else regions on Neuron and scan elsewhere)")),
+    "host_embedding": ("--host-embedding", dict(action="store_true",
+                                                help="keep the token embedding table in host memory")),
+    "mesh": ("--mesh", dict(help="shard the model over a device mesh, e.g. 'data=2,expert=4' or 'tensor=2,expert=4' "
+                                 "(axes data, tensor, expert; the sizes multiply to the device count of all "
+                                 "processes)")),
+}
+RUNTIME = ("compile_mode", "host_embedding", "mesh")
+
+
+def add_load_args(p: argparse.ArgumentParser, *names: str, **overrides: dict[str, Any]) -> None:
+    """Add the jdeep.load flags `names` (default: all of LOAD_FLAGS) to p; overrides: name -> argparse keywords
+    that replace the shared ones for this command (another default or help)."""
+    for name in names or LOAD_FLAGS:
+        flag, kw = LOAD_FLAGS[name]
+        p.add_argument(flag, **{**kw, **overrides.get(name, {})})
+
+
+def load_kwargs(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    """The jdeep.load keywords of the load flags this command has, plus `extra` (progress=True)."""
+    return {**{name: getattr(args, name) for name in LOAD_FLAGS if hasattr(args, name)}, **extra}
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """The sampling flags (sampling_params) with this command's defaults."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=top_p)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def sampling_params(args: argparse.Namespace, line: dict | None = None, index: int = 0) -> SamplingParams:
+    """Command-line sampling values, overridden by a prompts-file line's own (line i seeded seed + i)."""
+    line = line or {}
+    return SamplingParams(
+        temperature=line.get("temperature", args.temperature), top_k=line.get("top_k", args.top_k),
+        top_p=line.get("top_p", args.top_p), min_p=line.get("min_p", args.min_p),
+        seed=line.get("seed", args.seed + index),
+        max_new_tokens=line.get("max_new_tokens", args.max_new_tokens),
+        stop_token_ids=tuple(line.get("stop_token_ids", ())))
+
+
+def add_process_args(p: argparse.ArgumentParser) -> None:
+    """Process setup main() does before the command: multi-process (jax.distributed) and the compilation cache."""
+    p.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                   help="HOST:PORT of process 0 for a multi-process run (jax.distributed; default "
+                        "$JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=env_int("JAX_NUM_PROCESSES"),
+                   help="processes in a multi-process run (default $JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=env_int("JAX_PROCESS_ID"),
+                   help="this process's index, 0 .. num-processes-1 (default $JAX_PROCESS_ID)")
+    p.add_argument("--compile-cache", help="persistent compilation cache directory (default ~/.cache/jdeep/jax, "
+                                           "or $JDEEP_COMPILE_CACHE)")
+    p.add_argument("--no-compile-cache", action="store_true", help="do not keep compiled programs across runs")
+
+
+def add_graph_args(p: argparse.ArgumentParser) -> None:
+    """check-graph and export: the model and the programs to build (no weights are read)."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint folder (only config.json is read)")
+    src.add_argument("--preset", choices=PRESET_NAMES, help="a released model's config")
+    p.add_argument("--mode", choices=["scan", "regions"], default="regions", help="compile mode (default regions, "
+                                                                                 "Neuron's)")
+    p.add_argument("--batch-sizes", default="1,2,4,8", help="batch-size buckets")
+    p.add_argument("--prefill-len", type=int, default=128, help="prefill chunk length")
+    p.add_argument("--max-len", type=int, default=1024, help="state length (tokens per sequence)")
+    add_load_args(p, "dtype", "quantize_activations", "fp8_max", "packed_kv", "host_embedding",
+                  dtype={"default": "bfloat16"}, quantize_activations=BARE, packed_kv=BARE,
+                  fp8_max={"default": 240.0, "help": "fp8 range (default 240, trn2's e4m3)"},
+                  host_embedding={"help": "token embedding gathered on the host"})
+    p.add_argument("--no-pack-params", action="store_true", help="scan mode: one argument per parameter tensor "
+                                                                  "(default: arenas, as jdeep runs on Neuron)")
+
+
+def env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def np_dtype(name: str) -> Any:
+    return np.float32 if name == "float32" else ml_dtypes.bfloat16
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise SystemExit(f"jdeep: {flag} must be comma-separated integers, got {text!r}") from None
+
+
+def batch_sizes(text: str) -> list[int]:
+    sizes = parse_ints(text, "--batch-sizes")
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"jdeep: --batch-sizes must be positive integers, got {text!r}")
+    return sizes
+
+
+def folder_tokenizer(folder: str) -> Tokenizer | None:
+    try:
+        return Tokenizer(folder)
+    except FileNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------- commands
+
+def setup_compile_cache(args: argparse.Namespace) -> None:
+    """Persistent JAX compilation cache (on by default): compiled programs survive across runs."""
+    if getattr(args, "no_compile_cache", True) or os.environ.get("JDEEP_NO_COMPILE_CACHE"):
+        return
+    path = args.compile_cache or os.environ.get("JDEEP_COMPILE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jdeep", "jax")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """jax.distributed.initialize for --coordinator/--num-processes/--process-id (before any device is touched).
+    CPU processes use JAX's CPU collectives (gloo, JAX's default). Processes other than 0 print nothing on stdout."""
+    given = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]
+    if all(v is None for v in given):
+        return
+    coordinator, n, pid = given
+    if None in given:
+        raise ValueError("a multi-process run needs --coordinator HOST:PORT, --num-processes N and --process-id I "
+                         "(or $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID)")
+    if n < 1 or not 0 <= pid < n:
+        raise ValueError(f"--process-id must be in [0, {n}) and --num-processes positive, got {pid} of {n}")
+    if ":" not in coordinator:
+        raise ValueError(f"--coordinator must be HOST:PORT, got {coordinator!r}")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=pid)
+    # Results go to Python's stdout on process 0 only; native libraries (gloo's connection messages) that
+    # write to file descriptor 1 are sent to stderr, so stdout stays machine-readable.
+    sys.stdout.flush()
+    sys.stdout = os.fdopen(os.dup(1), "w") if pid == 0 else open(os.devnull, "w")
+    os.dup2(2, 1)

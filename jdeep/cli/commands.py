@@ -1,0 +1,292 @@
+"""The `jdeep` commands: demo, generate (one prompt or a prompts file through the engine), chat, serve, bench,
+info, convert, check-graph and export, each `cmd_<name>(args) -> exit code`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import jax
+
+from .. import generate, load
+from ..config import ModelConfig
+from ..io.convert import save_converted
+from ..io.tokenizer import Tokenizer
+from ..presets import BENCH_DEFAULT_CONFIG, TINY_CONFIG, preset, tiny_v41_config
+from ..runtime.engine import Engine
+from ..serve.server import ServerSettings, serve
+from ..sharding import parse_mesh
+from ..tools.bench import format_report, plot_sweep, run_bench
+from ..tools.compare import hf_config, require_transformers  # imports torch only when called
+from ..tools.export import export_programs, model_info
+from ..tools.graphcheck import Limits, check_lowered
+from ..tools.info import device_footprint, mesh_summary, summary
+from ..tools.programs import Target, model_programs
+from ..tools.random_weights import random_checkpoint
+from .args import batch_sizes, folder_tokenizer, load_kwargs, np_dtype, parse_ints, sampling_params
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        random_checkpoint(TINY_CONFIG if args.arch == "v4" else tiny_v41_config(), tmp, seed=args.seed)
+        model = load(tmp, **load_kwargs(args))
+        name = "DeepSeek-V4" if args.arch == "v4" else "DeepSeek-V4.1 (fp8/fp4, Engram)"
+        print(f"built and loaded a seeded random tiny {name} ({model.config.n_layers} layers, "
+              f"{len(model.plan.segments)} scan segments) in {time.perf_counter() - t0:.1f} s")
+        prompts = [[0, 17, 42, 99], [0, 5, 9, 230, 77, 301, 12, 8, 401, 66]]
+        t0 = time.perf_counter()
+        out = generate(model, prompts, max_new_tokens=args.max_new_tokens)
+        t1 = time.perf_counter()
+        out = generate(model, prompts, max_new_tokens=args.max_new_tokens)
+        t2 = time.perf_counter()
+        for p, toks in zip(prompts, out.tokens):
+            print(f"prompt {p} -> {toks.tolist()}")
+        n = out.tokens.size
+        print(f"first call (with compilation) {t1 - t0:.1f} s; second call {t2 - t1:.3f} s "
+              f"= {n / (t2 - t1):.0f} tokens/s for batch {len(prompts)}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    given = [a for a in (args.prompt_ids, args.prompt, args.prompts_file) if a is not None]
+    if len(given) != 1:
+        raise SystemExit("jdeep generate: give exactly one of --prompt-ids, --prompt or --prompts-file")
+    model = load(args.model, **load_kwargs(args, progress=True))
+    tok = folder_tokenizer(args.model)
+    if args.prompts_file is not None:
+        return _generate_file(args, model, tok)
+    if args.prompt is not None:
+        if tok is None:
+            raise SystemExit(f"jdeep generate: --prompt needs {args.model}/tokenizer.json (or use --prompt-ids)")
+        ids = tok.encode(args.prompt)
+    else:
+        ids = parse_ints(args.prompt_ids, "--prompt-ids")
+    try:
+        out = generate(model, [ids], sampling=sampling_params(args), ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        raise SystemExit(f"jdeep generate: {e}") from None
+    tokens = out.tokens[0, :out.lengths[0]].tolist()
+    result = {"tokens": tokens}
+    if tok is not None:
+        result["text"] = tok.decode(tokens)
+    print(json.dumps(result, ensure_ascii=False))
+    return 0
+
+
+def _generate_file(args: argparse.Namespace, model, tok: Tokenizer | None) -> int:
+    """Offline batch: one JSON object per line ({"prompt_ids": [...]} or {"prompt": "..."}, optional "id" and
+    sampling fields), through the continuous-batching engine; one JSON line per request out, in input order."""
+    with open(args.prompts_file, encoding="utf-8") as f:
+        lines = [ln for ln in f.read().splitlines() if ln.strip()]
+    eng = Engine(model, max_num_seqs=args.max_num_seqs, max_len=args.max_len, ignore_eos=args.ignore_eos)
+    order = []
+    for n, ln in enumerate(lines):
+        rid = f"line-{n}"
+        try:
+            item = json.loads(ln)
+            if not isinstance(item, dict):
+                raise ValueError("each line must be a JSON object")
+            rid = str(item.get("id", rid))
+            if "prompt_ids" in item:
+                ids = item["prompt_ids"]
+            elif "prompt" in item:
+                if tok is None:
+                    raise ValueError("text prompts need the checkpoint's tokenizer.json")
+                ids = tok.encode(item["prompt"])
+            else:
+                raise ValueError('a line needs "prompt_ids" or "prompt"')
+            order.append(eng.add_request(ids, sampling_params(args, item, n), request_id=rid))
+        except (ValueError, TypeError) as e:   # a bad line fails alone
+            order.append(eng.add_request([], None, request_id=rid))
+            eng.outputs[rid].error = f"line {n + 1}: {e}"
+    outs = eng.run()
+    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        for rid in order:
+            o = outs[rid]
+            rec = {"id": rid, "tokens": o.tokens, "finish_reason": o.finish_reason}
+            if o.error:
+                rec["error"] = o.error
+            if tok is not None and not o.error:
+                rec["text"] = tok.decode(o.tokens)
+            sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive chat on stdin/stdout: each reply streams as it is generated (whole UTF-8 characters)."""
+    tok = folder_tokenizer(args.model)
+    if tok is None:
+        raise SystemExit(f"jdeep chat: {args.model} has no tokenizer.json")
+    model = load(args.model, **load_kwargs(args, progress=True))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        detok = tok.detokenizer()
+
+        def show(new: list[list[int]]) -> None:
+            print(detok.push(new[0]), end="", flush=True)
+
+        out = generate(model, [tok.chat(messages, thinking=args.thinking)], sampling=sampling_params(args),
+                       stream=show, stream_every=4)
+        print(detok.flush(), flush=True)
+        reply = out.tokens[0, :out.lengths[0]].tolist()
+        messages.append({"role": "assistant", "content": tok.decode(reply)})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The OpenAI-compatible HTTP server (jdeep/serve/server.py) until SIGINT/SIGTERM."""
+    if args.num_processes not in (None, 1):
+        raise ValueError("jdeep serve runs in one process (use --mesh over its local devices); multi-process "
+                         "serving is not supported yet")
+    if args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
+    if not os.path.isdir(args.model):
+        raise FileNotFoundError(f"--model {args.model} is not a folder")
+    model = load(args.model, **load_kwargs(args, progress=True))
+    tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else model.tokenizer
+    engine = Engine(model, max_num_seqs=args.max_num_seqs, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                    seed=args.seed, tokenizer=tokenizer)
+    if args.warmup:
+        t0 = time.perf_counter()
+        n = engine.warmup()
+        print(f"jdeep serve: compiled {n} programs (every batch and prefill bucket) in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    created = int(os.path.getmtime(os.path.join(args.model, "config.json")))
+    print(f"jdeep serve: {name} on http://{args.host}:{args.port}/v1 ({engine.n_slots} slots, max_len {args.max_len}"
+          f"{', API key required' if args.api_key else ''}{'' if tokenizer else ', no tokenizer: token-id prompts only'})",
+          file=sys.stderr, flush=True)
+    serve(engine, ServerSettings(name, args.api_key, args.max_body_bytes, created), host=args.host, port=args.port,
+          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.compare:
+        try:
+            require_transformers()
+        except ImportError as e:
+            raise SystemExit(f"jdeep bench: {e}") from None
+    try:
+        sizes = [int(b) for b in args.batch_size.split(",") if b]
+    except ValueError:
+        raise SystemExit(f"jdeep bench: --batch-size must be comma-separated integers, got {args.batch_size!r}") from None
+    if args.dtype is None:
+        args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.model
+        if folder is None:
+            raw = BENCH_DEFAULT_CONFIG
+            if args.random_weights:
+                with open(args.random_weights, encoding="utf-8") as f:
+                    raw = json.load(f)
+            random_checkpoint(raw, tmp, seed=args.seed, dtype=args.dtype)
+            folder = tmp
+        if args.compare:
+            hf_config(ModelConfig.from_file(folder))     # an incomparable checkpoint fails before loading
+        model = load(folder, **load_kwargs(args, progress=True))
+        prompts = None
+        if args.prompts_file:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts = [json.loads(ln)["prompt_ids"] for ln in f if ln.strip()]
+        result = run_bench(model, args.input_len, args.output_len, sizes, seed=args.seed, prompts=prompts,
+                           compare_transformers=folder if args.compare else None)
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        try:
+            plot_sweep(result, args.plot)
+        except ImportError:
+            raise SystemExit("jdeep bench: --plot needs matplotlib (pip install matplotlib)") from None
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    planning = [f for f, v in (("--batch", args.batch), ("--max-len", args.max_len), ("--packed-kv", args.packed_kv))
+                if v not in (None, False)]
+    if args.mesh is None and planning:
+        raise ValueError(f"{', '.join(planning)} only apply with --mesh (they size the decode state per device): "
+                         "add --mesh (--mesh data=1 for a single device)")
+    for flag, v in (("--batch", args.batch), ("--max-len", args.max_len)):
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {v}")
+    if args.mesh is not None:
+        mesh = parse_mesh(args.mesh)   # a bad mesh fails before any work
+    config = preset(args.preset) if args.preset else ModelConfig.from_file(args.model)
+    dtype = np_dtype(args.dtype)
+    print(summary(config, dtype))
+    if args.mesh is not None:
+        print()
+        print(mesh_summary(device_footprint(config, mesh, dtype, batch=args.batch or 1,
+                                            max_len=args.max_len or 8192, packed_kv=args.packed_kv)))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    if ModelConfig.from_file(args.model).engram is not None:
+        raise SystemExit("jdeep convert: models with Engram layers (DeepSeek-V4.1) cannot be converted yet; "
+                         "their tables stay memory-mapped in the original safetensors — use the original folder")
+    model = load(args.model, **load_kwargs(args))
+    save_converted(args.out, model.config, model.params, args.dtype)
+    for name in ("tokenizer.json", "tokenizer_config.json"):   # text prompts keep working on the converted folder
+        if os.path.isfile(os.path.join(args.model, name)):
+            shutil.copy(os.path.join(args.model, name), os.path.join(args.out, name))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _graph_target(args: argparse.Namespace) -> Target:
+    """What check-graph and export build programs for: a preset or a checkpoint's config.json (no weights)."""
+    config = preset(args.preset) if args.preset else ModelConfig.from_file(args.model)
+    return Target.for_config(config, np_dtype(args.dtype), args.mode, args.host_embedding,
+                             args.quantize_activations, args.fp8_max, args.packed_kv,
+                             packed_params=args.mode == "scan" and not args.no_pack_params)
+
+
+def cmd_check_graph(args: argparse.Namespace) -> int:
+    target = _graph_target(args)
+    limits = Limits(max_args=args.max_args)
+    failed = 0
+    programs = model_programs(target, batch_sizes(args.batch_sizes), args.prefill_len, args.max_len)
+    for prog in programs:
+        report = check_lowered(prog.lower(), name=prog.name, n_experts=target.config.n_routed_experts,
+                               decode=prog.bucket["step"] == "decode", limits=limits)
+        failed += not report.ok
+        if args.verbose or not report.ok:
+            print(report.format())
+        else:
+            print(f"ok    {prog.name}  ({report.stats.get('n_args')} args, {report.stats.get('n_ops')} ops)")
+    print(f"{len(programs) - failed}/{len(programs)} programs pass the compile-safety rules "
+          f"({args.mode} mode, {args.dtype}, fp8 max {args.fp8_max:g})")
+    return 1 if failed else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    target = _graph_target(args)
+    programs = model_programs(target, batch_sizes(args.batch_sizes), args.prefill_len, args.max_len)
+    manifest = export_programs(programs, args.out, model_info(target))
+    print(f"wrote {len(manifest['programs'])} programs and manifest.json to {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------------- parser and main

@@ -1,0 +1,32 @@
+"""Dense products with PyTorch-layout weights (`W [N, K]`, `y = x Wᵀ`) and the decode of quantized weight leaves:
+the building blocks the hot-op references and the layers share."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .registry import get
+
+__all__ = ["linear", "linear_f32", "dequant"]
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] · W [N, K]ᵀ -> [..., N] in x's dtype, fp32 accumulation."""
+    y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
+                            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def linear_f32(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Same product with both operands cast to fp32 first (gate, compressor, mHC, head: spec §6.3)."""
+    return jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), (((x.ndim - 1,), (1,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST)
+
+
+def dequant(w: dict, numerics, dtype) -> jax.Array:
+    """Quantized weight leaf ({"codes", "scale"} fp8 / {"packed", "scale"} fp4) -> values in `dtype` (exact for
+    float32 and bfloat16), through the dequant_fp8 / dequant_fp4 hot ops."""
+    if "codes" in w:
+        return get("dequant_fp8")(w["codes"], w["scale"], numerics.weight_block, dtype, numerics.trn2_weights)
+    return get("dequant_fp4")(w["packed"], w["scale"], dtype, numerics.fp4_block)

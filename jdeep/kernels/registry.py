@@ -1,0 +1,53 @@
+"""The one dispatch point of the hot ops: each op's implementations by platform, chosen per JAX backend.
+
+The pure-jnp reference of every op (reference.py, quant.py, kv_record*.py) registers under the platform
+"reference"; it is the spec and the CPU/GPU path. NKI kernels (kernels/nki) register under "neuron" when
+`get` is first called with JAX's default backend `neuron`; nothing else imports the Neuron toolchain.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import jax
+
+__all__ = ["register", "get", "registered", "implementation"]
+
+_IMPLS: dict[str, dict[str, Callable]] = {}
+_NEURON_LOADED = False
+
+
+def register(name: str, platform: str = "reference") -> Callable[[Callable], Callable]:
+    def deco(fn: Callable) -> Callable:
+        _IMPLS.setdefault(name, {})[platform] = fn
+        return fn
+
+    return deco
+
+
+def _backend() -> str:
+    return jax.default_backend()
+
+
+def get(name: str) -> Callable:
+    """The implementation of op `name` for the current backend (falls back to the reference). On the neuron
+    platform the NKI kernels (kernels/nki, which import the `nki` package) are registered at the first call."""
+    global _NEURON_LOADED
+    backend = _backend()
+    if backend == "neuron" and not _NEURON_LOADED:
+        # by name, at the first neuron call: the nki package exists only where the Neuron toolchain is installed
+        importlib.import_module(f"{__package__}.nki").register_all()
+        _NEURON_LOADED = True
+    impls = _IMPLS[name]
+    return impls.get(backend, impls["reference"])
+
+
+def implementation(name: str, platform: str) -> Callable:
+    """Op `name`'s implementation registered for `platform` ("reference", "neuron"); KeyError if none."""
+    return _IMPLS[name][platform]
+
+
+def registered() -> dict[str, tuple[str, ...]]:
+    """Op name -> the platforms it has implementations for."""
+    return {k: tuple(v) for k, v in _IMPLS.items()}

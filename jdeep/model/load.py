@@ -1,0 +1,169 @@
+"""Loading a checkpoint folder (DeepSeek's safetensors or a `jdeep convert` folder) into a Model: config, plan and
+numerics, the params on one device or sharded over a mesh, the Engram tables and the tokenizer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from tqdm import tqdm
+
+from .. import platforms
+from ..arenas import pack_params as pack
+from ..config import ModelConfig
+from ..io import checkpoint, convert
+from ..io.engram_tables import EngramHost
+from ..io.tokenizer import Tokenizer
+from ..io.trn2_rescale import trn2_rescale
+from ..numerics import Numerics
+from ..param_spec import abstract_params, padded_experts
+from ..plan import build_plan
+from ..sharding import Layout, make_mesh
+from .model import Model, as_jax_dtype
+
+__all__ = ["load"]
+
+
+def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: bool | None = None,
+         fp8_max: float | None = None, packed_kv: bool = False, progress: bool = False,
+         compile_mode: str | None = None, host_embedding: bool = False, pack_params: bool | None = None,
+         mesh=None) -> Model:
+    """Load a DeepSeek-V4 checkpoint folder (HF layout: config.json + safetensors) or a folder written
+    by `jdeep convert` (Orbax).
+
+    dtype: "float32" or "bfloat16" (activations and float weights). Quantized fp8/fp4 weights stay
+    uint8 codes + ue8m0 exponent bytes and are decoded where used.
+    quantize_activations: DeepSeek's numerics (fp8 activations before fp8/fp4 GEMMs, KV and indexer
+    QAT); the default is True for a quantized checkpoint, False otherwise. False keeps the weights
+    quantized but runs activations, KV and indexer in float (the transformers numerics).
+    fp8_max: 448 (OCP e4m3fn, DeepSeek's) or 240 / 224 for Trainium2's e4m3: activations and KV are
+    quantized to that range and checkpoint fp8 weights are rescaled into it at load (trn2_rescale).
+    Default: the platform's (240 on trn1/trn2, else 448; jdeep/platform.py).
+    packed_kv: keep window and compressed KV as uint8 records (V4: fp8 codes, rope bytes, ue8m0 exponents;
+    V4.1: fp8 window entries, fp4 compressed KV with e4m3 scales, fp4 index keys) instead of float rows;
+    needs quantize_activations (the KV QAT makes the records exact).
+    progress: a progress bar over the checkpoint's tensors (tqdm, on stderr).
+    compile_mode: "scan" (one program per step, layers under lax.scan) or "regions" (a host loop over
+    layers, each layer kind's attention and FFN halves compiled once); default $JDEEP_COMPILE_MODE, else
+    the platform's (regions on Neuron, scan elsewhere).
+    host_embedding: keep the token embedding table in host memory and gather the rows there; the device
+    receives hidden states (same logits).
+    pack_params: scan mode only: each layer kind's small per-layer tensors packed into one buffer per dtype
+    (packing.py), so a step program takes few arguments; default on for Neuron in the scan mode.
+    mesh: shard the model over a device mesh: "data=2,expert=4", {"data": 2, "expert": 4} or a
+    jax.sharding.Mesh with axes (data, tensor, expert) (jdeep/sharding.py). The product of the sizes must
+    equal the number of devices (of all processes, after jax.distributed.initialize). Each process reads
+    only the checkpoint slices its devices hold; routed experts are padded with zero experts to a multiple
+    of the expert axis. Both compile modes run on the mesh, with an expert-parallel MoE.
+    The folder's tokenizer.json, if any, becomes `model.tokenizer` (text prompts and stop strings).
+    On Neuron, load also sets the compiler's environment (platform.configure_neuron).
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint folder at {path}")
+    jdtype = as_jax_dtype(dtype)
+    plat = platforms.current()
+    mode = platforms.compile_mode(compile_mode, plat)
+    if mesh is not None and (host_embedding or pack_params):
+        raise ValueError("mesh= keeps the embedding on the mesh and plain parameter leaves: drop host_embedding and "
+                         "pack_params")
+    if plat.is_neuron:
+        platforms.configure_neuron(generation=plat.generation)
+    if fp8_max is None:
+        fp8_max = plat.fp8_max
+    config = ModelConfig.from_file(path)
+    plan = build_plan(config)
+    numerics = Numerics.for_config(config, quantize_activations, fp8_max, packed_kv)
+    device = jax.devices()[0]   # one placement for both sources, so both hit the same compiled programs
+    layout = None
+    if mesh is not None:
+        layout = Layout.for_model(make_mesh(mesh), config.moe_inter_dim)
+    if convert.is_converted(path) and config.engram is not None:
+        raise ValueError(f"{path}: converted (Orbax) folders of models with Engram layers are not supported yet; "
+                         "load the original checkpoint folder")
+    if layout is not None:
+        params = _load_sharded(path, config, plan, jdtype, numerics, layout, progress)
+    elif convert.is_converted(path):
+        params = jax.device_put(convert.restore_converted(path, config, plan, jdtype), device)
+    else:
+        with _progress(path, progress) as report:
+            params = checkpoint.load_params(path, config, plan, np.dtype(jdtype), progress=report,
+                                            fp8_rescale=_rescaler(numerics), device=device)
+    engram = EngramHost.load(path, config.engram) if config.engram is not None else None
+    tokenizer = None
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        tokenizer = Tokenizer(path)
+    host_embed = None
+    if host_embedding:
+        # a copy: on CPU np.asarray can alias the device buffer, which is freed once the array is dropped
+        host_embed = np.array(params.pop("embed"), copy=True)
+    if pack_params is None:
+        pack_params = plat.is_neuron and mode == "scan" and layout is None
+    if pack_params:
+        if mode != "scan":
+            raise ValueError("pack_params applies to the scan compile mode (regions programs take few arguments)")
+        params = pack(params)
+    sampler_device = None
+    if plat.is_neuron and layout is None:   # the plugin's threefry RNG is incomplete: sample on the host CPU
+        try:
+            sampler_device = jax.devices("cpu")[0]
+        except RuntimeError:
+            warnings.warn("no CPU backend (JAX_PLATFORMS excludes cpu): sampling runs on the Neuron device, whose "
+                          "threefry RNG is incomplete; set JAX_PLATFORMS=neuron,cpu")
+    return Model(config, plan, params, jdtype, numerics, engram, tokenizer, compile_mode=mode, host_embed=host_embed,
+                 sampler_device=sampler_device, layout=layout)
+
+
+def _load_sharded(path: str, config, plan, jdtype, numerics, layout, progress: bool) -> dict:
+    """Params as global arrays sharded by `layout`, each process reading only its devices' slices."""
+
+    def sharding_for(tree_path: tuple, shape: tuple) -> NamedSharding:
+        return NamedSharding(layout.mesh, layout.param_spec(tree_path, shape))
+
+    n_experts = padded_experts(config.n_routed_experts, layout.sizes["expert"])
+    if convert.is_converted(path):
+        if n_experts != config.n_routed_experts:
+            raise ValueError(f"{path}: {config.n_routed_experts} routed experts do not divide over expert="
+                             f"{layout.sizes['expert']}; load the original checkpoint (it pads the experts) or pick an "
+                             "expert axis that divides the expert count")
+        target = abstract_params(config, plan, jdtype)
+        target = jax.tree_util.tree_map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, layout.param_shardings(target))
+        return convert.restore_converted(path, config, plan, jdtype, target=target)
+    with _progress(path, progress and jax.process_index() == 0, f" ({layout.describe()})") as report:
+        return checkpoint.load_params_sharded(path, config, plan, np.dtype(jdtype), sharding_for, n_experts,
+                                              progress=report, fp8_rescale=_rescaler(numerics))
+
+
+def _rescaler(numerics):
+    """The fp8 weight rewrite into trn2's e4m3 range when the numerics ask for it (else None)."""
+    if not numerics.trn2_weights:
+        return None
+
+    def rescale(codes, scale, block):
+        return trn2_rescale(codes, scale, block, numerics.fp8_max)
+
+    return rescale
+
+
+@contextlib.contextmanager
+def _progress(path: str, show: bool, what: str = ""):
+    """A `report(done, total)` callback driving a tqdm bar over the checkpoint's tensors (on stderr) when `show`."""
+    bar = None
+    if show:
+        bar = tqdm(desc=f"loading {os.path.basename(os.path.normpath(path))}{what}", unit="tensor", leave=False)
+
+    def report(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    try:
+        yield report
+    finally:
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,130 @@
+"""The `scan` compile mode's forward step: the whole stack in one program, each plan segment one `lax.scan`.
+
+`model_step(params, state, tokens, positions)` runs one chunk of S tokens for B sequences through the
+whole stack and returns logits plus the updated state: prefill is a chunk of S > 1 (any number of
+chunks in a row), decode is S = 1. Each plan segment runs as one `lax.scan` over its repetitions, with
+the state passed as whole stacked arrays and the repetition index as a traced scalar, so the compiled
+program holds one body per segment whatever the depth and caches are updated in place (donated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..arenas import Packed, split_experts
+from ..config import ModelConfig
+from ..layers.block import Streams, block
+from ..layers.chunk import make_chunk
+from ..layers.head import embed_streams, head_keys, head_logits, require_engram
+from ..layers.rope import inv_freq
+from ..numerics import Numerics
+from ..plan import LayerPlan, Segment
+from ..state import source_index
+
+__all__ = ["model_step", "slot_params"]
+
+
+def slot_params(slot: dict) -> tuple[Any, dict]:
+    """(per-layer params, routed experts) of a (segment, slot); per-layer params may be an arenas.Packed arena."""
+    if "arena" in slot:
+        return slot["arena"], slot["experts"]
+    return split_experts(slot)
+
+
+def _unpacked(p: Any) -> dict:
+    return p.unpack() if isinstance(p, Packed) else p
+
+
+def segment_inputs(seg: Segment, config: ModelConfig, engram: tuple | None) -> list[dict]:
+    """Per-slot scanned inputs of a segment, one entry per repetition: "row" (int32 [R], each layer's row in its
+    ratio's shared caches; shared-KV compressed layers) and "engram" (each layer's table rows; Engram layers)."""
+    aux = []
+    for j, kind in enumerate(seg.pattern):
+        layers = [seg.layer(r, j) for r in range(seg.reps)]
+        a = {}
+        if kind.shared is not None:
+            a["row"] = jnp.asarray([source_index(config, li)[1] for li in layers], jnp.int32)
+        if kind.engram:
+            order = np.asarray([config.engram.layer_ids.index(li) for li in layers])
+            a["engram"] = (engram[0][order], engram[1][order])
+        aux.append(a)
+    return aux
+
+
+def _run_segment(seg: Segment, seg_params: list, seg_state: list, sources: dict, streams: Streams, aux: list,
+                 chunk, config: ModelConfig, numerics: Numerics, record: bool, layout=None):
+    split = [slot_params(sp) for sp in seg_params]
+    per_layer = [s[0] for s in split]
+    experts = [s[1] for s in split]
+    freqs = [inv_freq(config.rope_for(kind.attn), config.rope_head_dim) for kind in seg.pattern]
+
+    def body(carry, xs):
+        streams, st, sources, r = carry
+        p_slots, a_slots = xs
+        st = list(st)
+        outs = [] if record else None
+        for j, kind in enumerate(seg.pattern):
+            a = a_slots[j]
+            streams, st[j], sources = block(_unpacked(p_slots[j]), experts[j], st[j], sources, r, a.get("row"),
+                                            streams, a.get("engram"), chunk, config=config, numerics=numerics,
+                                            kind=kind, freqs=freqs[j], record=outs, layout=layout)
+        return (streams, st, sources, r + 1), outs
+
+    init = (streams, list(seg_state), sources, jnp.int32(0))
+    (streams, seg_state, sources, _), ys = jax.lax.scan(body, init, (per_layer, aux))
+    return streams, seg_state, sources, ys
+
+
+def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Array, engram: tuple | None = None,
+               embeds: jax.Array | None = None, *, config: ModelConfig, plan: LayerPlan,
+               numerics: Numerics = Numerics(), all_logits: bool = False, streams: bool = False, layout=None):
+    """One chunk through the model.
+
+    tokens int32 [B, S]; positions int32 [B, S] (absolute, consecutive per row, -1 = padding after the
+    real tokens). engram (models with Engram layers): the host-gathered table rows of this chunk, codes
+    uint8 [n_engram, B, S, R, hd] and scales uint8 [n_engram, B, S, R, hd/32] (io/engram_tables.py).
+    Returns (logits, state): fp32 [B, S, V] if all_logits, else [B, V] at each row's last real token
+    (rows without real tokens get meaningless logits). embeds: the chunk's token embeddings [B, S, d]
+    gathered on the host (host-resident embedding; params then need no "embed"). With `streams` (layer-by-layer
+    checks) a third output holds the residual streams after every block, block_out [n_layers, B, S, n, d], and
+    right after every Engram update, engram_out [n_engram, B, S, n, d] (absent without Engram layers).
+    layout (sharding.Layout): the model runs on a device mesh: the MoE is expert-parallel and the new state
+    and the logits are constrained to the layout's shardings (state by sequence slot, logits replicated).
+    """
+    require_engram(plan, engram)
+    chunk = make_chunk(tokens, positions, config.vocab_size)
+    s = embed_streams(params.get("embed"), chunk.tokens, embeds, config=config, plan=plan)
+    sources = state["sources"]
+    segments = []
+    block_out: list = [None] * config.n_layers
+    engram_out: list = []
+    for i, seg in enumerate(plan.segments):
+        aux = segment_inputs(seg, config, engram)
+        s, seg_state, sources, ys = _run_segment(seg, params["segments"][i], state["segments"][i], sources, s, aux,
+                                                 chunk, config, numerics, streams, layout)
+        segments.append(seg_state)
+        if streams:
+            k = 0
+            for j, kind in enumerate(seg.pattern):
+                if kind.engram:
+                    engram_out += [(seg.layer(r, j), ys[k][r]) for r in range(seg.reps)]
+                    k += 1
+                for r in range(seg.reps):
+                    block_out[seg.layer(r, j)] = ys[k][r]
+                k += 1
+    new_state = {"segments": segments, "sources": sources}
+    logits = head_logits({k: params[k] for k in head_keys(plan)}, s, positions, config=config, plan=plan,
+                         all_logits=all_logits)
+    if layout is not None:
+        new_state = layout.constrain_state(new_state)
+        logits = layout.constrain_replicated(logits)
+    if streams:
+        recorded = {"block_out": jnp.stack(block_out)}
+        if engram_out:
+            recorded["engram_out"] = jnp.stack([x for _, x in sorted(engram_out, key=lambda t: t[0])])
+        return logits, new_state, recorded
+    return logits, new_state
