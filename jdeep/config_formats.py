@@ -17,17 +17,8 @@ import os
 import warnings
 from typing import Any, Mapping
 
-from .config import (
-    AttentionKind,
-    ConfigError,
-    DSparkConfig,
-    EngramConfig,
-    ModelConfig,
-    RopeConfig,
-    SharingConfig,
-    YarnConfig,
-    register_formats,
-)
+from .config import (AttentionKind, ConfigError, DSparkConfig, EngramConfig, ModelConfig, RopeConfig, SharingConfig,
+                     YarnConfig, register_formats)
 from .config_json import config_to_dict
 
 __all__ = ["parse_config", "load_config"]

@@ -19,7 +19,7 @@ an fp8 linear becomes {"codes": uint8 [N, K], "scale": uint8 [ceil(N/bn), ceil(K
 ue8m0 exponent bytes), an fp4 linear {"packed": uint8 [N, K/2], "scale": uint8 [N, K/32]} (two e2m1
 codes per byte, low nibble first). `wo_a` is the exception: dequantised at load, as DeepSeek's converter does.
 
-The second half builds the tree's layout from these specs: every leaf's stacked shape and dtype (`_leaf_plan`),
+The second half builds the tree's layout from these specs: every leaf's stacked shape and dtype (`leaf_plan`),
 its path (`tree_path`), abstract trees (`abstract_params`) and the expert padding of a mesh (`padded_experts`).
 """
 
@@ -239,7 +239,7 @@ def engram_table_specs(c: ModelConfig) -> list[tuple[str, tuple[int, int], tuple
 _LEAF_DTYPES = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32), "u8": np.dtype(np.uint8)}
 
 
-def _leaf_dtype(cls: str, dtype: Any) -> np.dtype:
+def leaf_dtype(cls: str, dtype: Any) -> np.dtype:
     """The numpy dtype of a leaf of dtype class `cls` (tree_leaves) in a model of float dtype `dtype`."""
     return _LEAF_DTYPES.get(cls, np.dtype(dtype))
 
@@ -250,7 +250,7 @@ def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def _leaf_plan(config: ModelConfig, plan: LayerPlan) -> dict[tuple, tuple[tuple[int, ...], str]]:
+def leaf_plan(config: ModelConfig, plan: LayerPlan) -> dict[tuple, tuple[tuple[int, ...], str]]:
     """Every tree leaf: key (("top",) | ("seg", s, slot)) + path -> (full shape, dtype class)."""
     leaves: dict[tuple, tuple[tuple[int, ...], str]] = {}
     for spec in top_specs(config):
@@ -267,13 +267,13 @@ def _leaf_plan(config: ModelConfig, plan: LayerPlan) -> dict[tuple, tuple[tuple[
     return leaves
 
 
-def _empty_tree(plan: LayerPlan) -> dict:
+def empty_tree(plan: LayerPlan) -> dict:
     """The param tree's skeleton: one empty layer tree per segment slot."""
     return {"segments": [[{} for _ in seg.pattern] for seg in plan.segments]}
 
 
-def _put(params: dict, key: tuple, value: Any) -> None:
-    """Set the leaf of `_leaf_plan` key `key` in the param tree."""
+def put_leaf(params: dict, key: tuple, value: Any) -> None:
+    """Set the leaf of `leaf_plan` key `key` in the param tree."""
     if key[0] == "top":
         _set_path(params, key[1:], value)
     else:
@@ -281,9 +281,9 @@ def _put(params: dict, key: tuple, value: Any) -> None:
 
 
 def _build_tree(config: ModelConfig, plan: LayerPlan, dtype: Any, make: Callable[[tuple, np.dtype], Any]) -> dict:
-    params = _empty_tree(plan)
-    for key, (shape, cls) in _leaf_plan(config, plan).items():
-        _put(params, key, make(shape, _leaf_dtype(cls, dtype)))
+    params = empty_tree(plan)
+    for key, (shape, cls) in leaf_plan(config, plan).items():
+        put_leaf(params, key, make(shape, leaf_dtype(cls, dtype)))
     return params
 
 
@@ -293,7 +293,7 @@ def abstract_params(config: ModelConfig, plan: LayerPlan, dtype: Any) -> dict:
 
 
 def tree_path(key: tuple) -> tuple:
-    """A leaf key of `_leaf_plan` as its path in the param tree (("embed",), ("segments", s, slot, ...))."""
+    """A leaf key of `leaf_plan` as its path in the param tree (("embed",), ("segments", s, slot, ...))."""
     return key[1:] if key[0] == "top" else ("segments",) + key[1:]
 
 

@@ -8,27 +8,10 @@ import os
 import sys
 
 from ..presets import PRESET_NAMES
-from .args import (
-    BARE,
-    RUNTIME,
-    add_graph_args,
-    add_load_args,
-    add_process_args,
-    add_sampling_args,
-    init_distributed,
-    setup_compile_cache,
-)
-from .commands import (
-    cmd_bench,
-    cmd_chat,
-    cmd_check_graph,
-    cmd_convert,
-    cmd_demo,
-    cmd_export,
-    cmd_generate,
-    cmd_info,
-    cmd_serve,
-)
+from .args import (BARE, RUNTIME, add_graph_args, add_load_args, add_process_args, add_sampling_args, init_distributed,
+                   setup_compile_cache)
+from .commands import (cmd_bench, cmd_chat, cmd_check_graph, cmd_convert, cmd_demo, cmd_export, cmd_generate, cmd_info,
+                       cmd_serve)
 
 __all__ = ["main", "build_parser"]
 

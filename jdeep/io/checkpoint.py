@@ -14,21 +14,8 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..kernels import codecs
-from ..param_spec import (
-    FP4,
-    FP8,
-    FP8_DEQUANT,
-    INDEX,
-    TensorSpec,
-    _empty_tree,
-    _leaf_dtype,
-    _leaf_plan,
-    _put,
-    engram_table_specs,
-    layer_specs,
-    top_specs,
-    tree_path,
-)
+from ..param_spec import (FP4, FP8, FP8_DEQUANT, INDEX, TensorSpec, empty_tree, leaf_dtype, leaf_plan, put_leaf,
+                          engram_table_specs, layer_specs, top_specs, tree_path)
 from ..plan import LayerPlan
 from .safetensors import FLOAT_DTYPES, INT_DTYPES, CheckpointError, CheckpointReader
 
@@ -173,13 +160,13 @@ def load_params_sharded(folder: str, config: ModelConfig, plan: LayerPlan, dtype
         raise ValueError(f"n_experts={n_experts} is below the config's {E} routed experts")
     convert = _Converter(reader, config, fp8_rescale)
     total = sum(len(v) for v in fills.values())
-    params = _empty_tree(plan)
+    params = empty_tree(plan)
     done = 0
-    for key, (shape, cls) in _leaf_plan(config, plan).items():
+    for key, (shape, cls) in leaf_plan(config, plan).items():
         items = fills[key]
         if key[0] == "seg" and items[0][2].expert is not None:
             shape = shape[:1] + (n_experts,) + shape[2:]
-        leaf_dtype = _leaf_dtype(cls, dtype)
+        dt = leaf_dtype(cls, dtype)
         sharding = sharding_for(tree_path(key), shape)
         by_region: dict[tuple, list] = {}
         for device, index in sharding.addressable_devices_indices_map(shape).items():
@@ -187,8 +174,8 @@ def load_params_sharded(folder: str, config: ModelConfig, plan: LayerPlan, dtype
             by_region.setdefault(region, []).append(device)
         arrays = []
         for region, devices in by_region.items():
-            arrays += _place_region(convert.parts(items, region), region, len(items[0][3]), leaf_dtype, devices)
-        _put(params, key, jax.make_array_from_single_device_arrays(shape, sharding, arrays))
+            arrays += _place_region(convert.parts(items, region), region, len(items[0][3]), dt, devices)
+        put_leaf(params, key, jax.make_array_from_single_device_arrays(shape, sharding, arrays))
         if key[-1] == "scale":
             convert.forget()
         done += len(items)

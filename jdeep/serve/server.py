@@ -35,19 +35,8 @@ from starlette.routing import Route
 from ..runtime.engine import Engine
 from .async_engine import AsyncEngine, Delta, RequestHandle
 from .metrics import Counter, Gauge, Histogram, Registry
-from .openai_protocol import (
-    APIError,
-    GenerationRequest,
-    ServingContext,
-    chat_chunk,
-    chat_response,
-    completion_chunk,
-    completion_response,
-    parse_chat,
-    parse_completion,
-    usage,
-    usage_chunk,
-)
+from .openai_protocol import (APIError, GenerationRequest, ServingContext, chat_chunk, chat_response, completion_chunk,
+                              completion_response, parse_chat, parse_completion, usage, usage_chunk)
 
 __all__ = ["ServerSettings", "build_app", "serve", "make_server", "background_server"]
 

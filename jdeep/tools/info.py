@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from ..config import ModelConfig
 from ..numerics import Numerics
-from ..param_spec import _leaf_dtype, _leaf_plan, layer_specs, padded_experts, tree_leaves, tree_path
+from ..param_spec import leaf_dtype, leaf_plan, layer_specs, padded_experts, tree_leaves, tree_path
 from ..plan import build_plan, layer_kinds
 from ..sharding import AXES, Layout, parse_mesh
 from ..state import slot_state_shapes, source_state_shapes, state_bytes
@@ -42,8 +42,8 @@ def param_bytes_by_dtype(config: ModelConfig, dtype: Any = np.float32) -> dict[s
     """Bytes of the device parameter tree per dtype name, as jdeep holds it: float weights in `dtype`,
     quantized weights as uint8 codes + uint8 exponents."""
     counts: Counter = Counter()
-    for shape, cls in _leaf_plan(config, build_plan(config)).values():
-        dt = _leaf_dtype(cls, dtype)
+    for shape, cls in leaf_plan(config, build_plan(config)).values():
+        dt = leaf_dtype(cls, dtype)
         counts[dt.name] += int(np.prod(shape)) * dt.itemsize
     return dict(counts)
 
@@ -117,7 +117,7 @@ def _split(spec: Any, sizes: Mapping[str, int]) -> int:
 class LeafShare:
     """One parameter or state leaf as the mesh holds it."""
 
-    key: tuple                  # _leaf_plan key (params) or ("state", ...) path
+    key: tuple                  # leaf_plan key (params) or ("state", ...) path
     shape: tuple[int, ...]      # global shape on the mesh (routed experts padded to the expert axis)
     dtype: np.dtype
     spec: Any                   # jax.sharding.PartitionSpec
@@ -141,7 +141,7 @@ class LeafShare:
 
 
 def _expert_keys(config: ModelConfig, plan) -> set[tuple]:
-    """The _leaf_plan keys of routed-expert leaves (their axis 1 stacks the experts)."""
+    """The leaf_plan keys of routed-expert leaves (their axis 1 stacks the experts)."""
     keys = set()
     for s, seg in enumerate(plan.segments):
         for slot, kind in enumerate(seg.pattern):
@@ -160,8 +160,8 @@ def param_shares(config: ModelConfig, mesh: Any, dtype: Any = np.float32) -> lis
     experts = _expert_keys(config, plan)
     n_exp = padded_experts(config.n_routed_experts, sizes["expert"])
     out = []
-    for key, (shape, cls) in _leaf_plan(config, plan).items():
-        dt = _leaf_dtype(cls, dtype)
+    for key, (shape, cls) in leaf_plan(config, plan).items():
+        dt = leaf_dtype(cls, dtype)
         pad = 0
         if key in experts and n_exp != shape[1]:
             pad = math.prod(shape[:1] + (n_exp - shape[1],) + shape[2:]) * dt.itemsize

@@ -15,18 +15,8 @@ from ..config import ModelConfig
 from ..io.safetensors import write_safetensors
 from ..io.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
 from ..kernels import codecs
-from ..param_spec import (
-    F32,
-    FP4,
-    FP4_BLOCK,
-    FP8,
-    FP8_DEQUANT,
-    INDEX,
-    TensorSpec,
-    engram_table_specs,
-    layer_specs,
-    top_specs,
-)
+from ..param_spec import (F32, FP4, FP4_BLOCK, FP8, FP8_DEQUANT, INDEX, TensorSpec, engram_table_specs, layer_specs,
+                          top_specs)
 from ..plan import layer_kinds
 from ..presets import TINY_CONFIG, deep_tiny_config, one_layer_config, tiny_v41_config
 

@@ -14,14 +14,7 @@ import numpy as np
 import pytest
 from conftest import REPO, golden_path
 
-from jdeep.io.engram_tables import (
-    EngramLayout,
-    EngramTables,
-    NgramHistory,
-    build_token_map,
-    dequant_rows,
-    hash_ids,
-)
+from jdeep.io.engram_tables import EngramLayout, EngramTables, NgramHistory, build_token_map, dequant_rows, hash_ids
 from jdeep.io.safetensors import CheckpointReader, write_safetensors
 
 RELEASED = {"layer_ids": [1, 14], "max_ngram_size": 4, "n_heads": 8, "engram_vocab_size": 16_000_000,

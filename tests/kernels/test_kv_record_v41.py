@@ -8,17 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdeep.kernels.kv_record_v41 import (
-    ckv_record_bytes,
-    decode_ckv,
-    decode_ikey,
-    decode_window,
-    encode_ckv,
-    encode_ikey,
-    encode_window,
-    ikey_record_bytes,
-    window_record_bytes,
-)
+from jdeep.kernels.kv_record_v41 import (ckv_record_bytes, decode_ckv, decode_ikey, decode_window, encode_ckv,
+                                         encode_ikey, encode_window, ikey_record_bytes, window_record_bytes)
 from jdeep.kernels.quant import fp4_fake_quant, fp4e4_fake_quant, fp8_fake_quant
 
 

@@ -13,13 +13,8 @@ import numpy as np
 import pytest
 
 from jdeep import kernels
-from jdeep.kernels.reference import (
-    moe_experts_dense,
-    moe_experts_gather,
-    moe_experts_grouped,
-    shared_expert,
-    sparse_attention,
-)
+from jdeep.kernels.reference import (moe_experts_dense, moe_experts_gather, moe_experts_grouped, shared_expert,
+                                     sparse_attention)
 from jdeep.layers.chunk import make_chunk
 from jdeep.layers.indexer import index_select
 from jdeep.layers.moe import route

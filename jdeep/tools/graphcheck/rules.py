@@ -9,16 +9,7 @@ from dataclasses import dataclass, field
 from .analysis import _Analysis, _compare_type, _direction
 from .bounds import _FORWARDING, _Bounds
 from .mlir import Module, Op, Value, _short_name, _terminator
-from .mlir_types import (
-    _LOWP_RE,
-    _input_types,
-    _int_width,
-    _is_float,
-    _is_int,
-    _types_in,
-    elem_type,
-    tensor_dims_elem,
-)
+from .mlir_types import _LOWP_RE, _input_types, _int_width, _is_float, _is_int, _types_in, elem_type, tensor_dims_elem
 from .report import NOT_CHECKED_HERE, RULES, Limits, Violation
 
 # ----------------------------------------------------------------------------------------------------------------

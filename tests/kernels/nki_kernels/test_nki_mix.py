@@ -31,7 +31,7 @@ import pytest
 
 from jdeep import kernels
 from jdeep.kernels import nki as nki_kernels
-from jdeep.kernels import reference
+from jdeep.kernels import reference, registry
 from jdeep.kernels.nki import mhc, pool
 
 BF16 = ml_dtypes.bfloat16
@@ -199,7 +199,7 @@ def test_layers_dispatch_to_the_kernels_on_neuron(monkeypatch):
 
     for op in ("hc_mix_logits", "hc_split_sinkhorn", "hc_collapse", "hc_expand", "softmax_pool"):
         kernels.register(op, "neuron")(getattr(nki_kernels.module(op), nki_kernels.KERNELS[op][1]))
-    monkeypatch.setattr(kernels, "_backend", lambda: "neuron")
+    monkeypatch.setattr(registry, "_backend", lambda: "neuron")
     nki.RECORDED.clear()
     B, S, n, d, dc, m = 2, 8, 4, 128, 32, 4
     X = jnp.zeros((B, S, n, d), jnp.bfloat16)
