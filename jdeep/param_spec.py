@@ -9,7 +9,7 @@ Parameter tree (all leaves of one layer kind stacked layer-major, see plan.py):
 
 The output head is the one leaf stored input-major ([d, V], the checkpoint's [V, d] transposed at load): XLA:CPU's
 GEMM for a few rows times a PyTorch-layout [N, K] matrix is 5x slower than with [K, N] at 2..8 rows, and the
-vocab-sized head dominated batched decode steps (benchmarks/notes in model.py).
+vocab-sized head dominated batched decode steps.
 
 A layer tree mirrors the checkpoint names without the `.weight` suffix; routed experts are stacked
 on an expert axis: `ffn.w1` [E, I, d], `ffn.w2` [E, d, I], `ffn.w3` [E, I, d].
@@ -155,7 +155,7 @@ def layer_specs(c: ModelConfig, kind: LayerKind) -> list[TensorSpec]:
     ]
     m = kind.attn.ratio
     DI, nI = c.index_head_dim, c.index_n_heads
-    if c.is_v41:
+    if kind.shared_kv:
         specs += _v41_attention_specs(c, kind, w, q8)
     elif m > 0:
         cw = 2 if kind.attn.overlap else 1
@@ -165,7 +165,7 @@ def layer_specs(c: ModelConfig, kind: LayerKind) -> list[TensorSpec]:
             w("attn.compressor.ape", (m, cw * D), F32),
             w("attn.compressor.norm.weight", (D,)),
         ]
-    if kind.attn.has_indexer and not c.is_v41:
+    if kind.attn.has_indexer and not kind.shared_kv:
         specs += [
             q8("attn.indexer.wq_b.weight", (nI * DI, c.q_lora_rank)),
             w("attn.indexer.weights_proj.weight", (nI, d)),

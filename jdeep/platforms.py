@@ -3,7 +3,7 @@
     cpu / gpu   XLA's own backends: OCP e4m3fn fp8 (max 448), layers under lax.scan.
     neuron      AWS Trainium/Inferentia through the libneuronxla PJRT plugin. trn1/trn2 have only the
                 IEEE-style e4m3 (max 240): activations and KV are quantized to that range and checkpoint
-                fp8 weights are rescaled into it at load (quantization.trn2_rescale). The compiler gets the
+                fp8 weights are rescaled into it at load (io/trn2_rescale.py). The compiler gets the
                 options below; the default compile mode is `regions` (neuronx-cc unrolls while loops, so a
                 scan over 43-61 layers would be compiled layer by layer anyway).
 

@@ -42,7 +42,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     quantized but runs activations, KV and indexer in float (the transformers numerics).
     fp8_max: 448 (OCP e4m3fn, DeepSeek's) or 240 / 224 for Trainium2's e4m3: activations and KV are
     quantized to that range and checkpoint fp8 weights are rescaled into it at load (trn2_rescale).
-    Default: the platform's (240 on trn1/trn2, else 448; jdeep/platform.py).
+    Default: the platform's (240 on trn1/trn2, else 448; jdeep/platforms.py).
     packed_kv: keep window and compressed KV as uint8 records (V4: fp8 codes, rope bytes, ue8m0 exponents;
     V4.1: fp8 window entries, fp4 compressed KV with e4m3 scales, fp4 index keys) instead of float rows;
     needs quantize_activations (the KV QAT makes the records exact).
@@ -53,7 +53,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     host_embedding: keep the token embedding table in host memory and gather the rows there; the device
     receives hidden states (same logits).
     pack_params: scan mode only: each layer kind's small per-layer tensors packed into one buffer per dtype
-    (packing.py), so a step program takes few arguments; default on for Neuron in the scan mode.
+    (arenas.py), so a step program takes few arguments; default on for Neuron in the scan mode.
     mesh: shard the model over a device mesh: "data=2,expert=4", {"data": 2, "expert": 4} or a
     jax.sharding.Mesh with axes (data, tensor, expert) (jdeep/sharding.py). The product of the sizes must
     equal the number of devices (of all processes, after jax.distributed.initialize). Each process reads

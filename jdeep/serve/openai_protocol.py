@@ -205,7 +205,7 @@ def _message_text(i: int, m: Any) -> dict:
 
 
 def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
-    """POST /v1/chat/completions: messages in DeepSeek's chat format (serve/tokenizer.py chat_prompt)."""
+    """POST /v1/chat/completions: messages in DeepSeek's chat format (io/tokenizer.py chat_prompt)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = _check_model(body, ctx)

@@ -38,7 +38,7 @@ class Target:
     dtype: Any
     compile_mode: str = "scan"
     host_embedding: bool = False
-    packed_params: bool = False      # scan mode: per-layer tensors in arenas (packing.py)
+    packed_params: bool = False      # scan mode: per-layer tensors in arenas (arenas.py)
 
     @classmethod
     def of(cls, model: Model) -> "Target":
