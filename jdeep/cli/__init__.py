@@ -10,8 +10,8 @@ import sys
 from ..presets import PRESET_NAMES
 from .args import (BARE, RUNTIME, add_graph_args, add_load_args, add_process_args, add_sampling_args, init_distributed,
                    setup_compile_cache)
-from .commands import (cmd_bench, cmd_chat, cmd_check_graph, cmd_convert, cmd_demo, cmd_export, cmd_generate, cmd_info,
-                       cmd_serve)
+from .commands import (cmd_bench, cmd_chat, cmd_check_graph, cmd_convert, cmd_demo, cmd_eval, cmd_export, cmd_generate,
+                       cmd_info, cmd_serve)
 
 __all__ = ["main", "build_parser"]
 
@@ -97,6 +97,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_args(b, *RUNTIME)
     add_process_args(b)
     b.set_defaults(fn=cmd_bench)
+
+    ev = sub.add_parser("eval", help="perplexity over text files per numerics mode; KL / top-1 agreement to a base")
+    ev.add_argument("--model", required=True, help="checkpoint folder (with tokenizer.json)")
+    ev.add_argument("--text-file", action="append", required=True, help="a UTF-8 text file to score (repeatable)")
+    ev.add_argument("--numerics", help="comma-separated numerics modes: float, deepseek, packed-kv, trn2-240, trn2-224 "
+                                       "(default: all for a quantized checkpoint, float otherwise)")
+    base = ev.add_mutually_exclusive_group()
+    base.add_argument("--base-model", help="a checkpoint whose distribution the modes are compared with (e.g. the "
+                                           "float weights the quantized checkpoint was made from)")
+    base.add_argument("--base-numerics", choices=["float"], help="compare with this numerics mode of --model")
+    ev.add_argument("--context", type=int, default=512, help="tokens of context per window (default 512)")
+    ev.add_argument("--stride", type=int, help="tokens between window starts (default context / 2)")
+    ev.add_argument("--prefill-chunk", type=int, default=256)
+    ev.add_argument("--json", help="write the result (schema jdeep.eval/1)")
+    ev.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                    help="a progress bar over the scored windows (on stderr)")
+    add_load_args(ev, "dtype", *RUNTIME)
+    ev.set_defaults(fn=cmd_eval)
 
     i = sub.add_parser("info", help="config summary, parameter bytes by dtype, state bytes per token")
     src = i.add_mutually_exclusive_group(required=True)

@@ -12,17 +12,20 @@ import tempfile
 import time
 
 import jax
+from tqdm import tqdm
 
 from .. import generate, load
 from ..config import ModelConfig
 from ..io.convert import save_converted
 from ..io.tokenizer import Tokenizer
+from ..param_spec import weight_formats
 from ..presets import BENCH_DEFAULT_CONFIG, TINY_CONFIG, preset, tiny_v41_config
 from ..runtime.engine import Engine
 from ..serve.server import ServerSettings, serve
 from ..sharding import parse_mesh
 from ..tools.bench import format_report, plot_sweep, run_bench
 from ..tools.compare import hf_config, require_transformers  # imports torch only when called
+from ..tools.evaluate import NUMERICS_MODES, compare, format_table, load_modes, read_texts
 from ..tools.export import export_programs, model_info
 from ..tools.graphcheck import Limits, check_lowered
 from ..tools.info import device_footprint, mesh_summary, summary
@@ -218,6 +221,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
             plot_sweep(result, args.plot)
         except ImportError:
             raise SystemExit("jdeep bench: --plot needs matplotlib (pip install matplotlib)") from None
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Perplexity of the model over text files in each numerics mode, and against a base distribution."""
+    kwargs = load_kwargs(args)
+    quantized = weight_formats(ModelConfig.from_file(args.model))[0] != "float"
+    names = args.numerics.split(",") if args.numerics else (list(NUMERICS_MODES) if quantized else ["float"])
+    base = None
+    if args.base_model:
+        base = load(args.base_model, **kwargs)
+    elif args.base_numerics:
+        names = [args.base_numerics] + [n for n in names if n != args.base_numerics]
+    models = load_modes(args.model, names, **kwargs)
+    if args.base_numerics:
+        base = models[args.base_numerics]
+    elif base is not None:
+        models = {"base": base, **models}
+    texts = read_texts(args.text_file, next(iter(models.values())).tokenizer, models[names[0]].config.bos_token_id)
+
+    bar = None
+
+    def progress(total: int):
+        nonlocal bar
+        bar = tqdm(total=total, desc="eval", unit="window", leave=False, disable=not args.progress)
+        return lambda: bar.update(1)
+
+    try:
+        result = compare(models, texts, base=base, context=args.context, stride=args.stride, chunk=args.prefill_chunk,
+                         progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    result["model"] = args.model
+    result["base"] = args.base_model or (f"{args.model} ({args.base_numerics})" if args.base_numerics else None)
+    result["files"] = [{"path": p, "tokens": int(len(ids))} for p, ids in texts]
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"schema": "jdeep.eval/1", **result}, f, indent=1)
     return 0
 
 
