@@ -26,7 +26,7 @@ its path (`tree_path`), abstract trees (`abstract_params`) and the expert paddin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -223,6 +223,20 @@ def _v41_attention_specs(c: ModelConfig, kind: LayerKind, w, q8) -> list[TensorS
             w("attn.indexer.weights_proj.weight", (nI, d)),
         ]
     return specs
+
+
+def expected_tensors(config: ModelConfig, plan: LayerPlan) -> Iterator[tuple[str, TensorSpec, tuple]]:
+    """(checkpoint name, spec, destination) for every tensor the model needs.
+
+    destination: ("top",) or ("seg", segment, slot, rep)."""
+    for spec in top_specs(config):
+        yield spec.name, spec, ("top",)
+    for s, seg in enumerate(plan.segments):
+        for rep in range(seg.reps):
+            for slot, kind in enumerate(seg.pattern):
+                layer = seg.layer(rep, slot)
+                for spec in layer_specs(config, kind):
+                    yield f"layers.{layer}.{spec.name}", spec, ("seg", s, slot, rep)
 
 
 def engram_table_specs(c: ModelConfig) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:

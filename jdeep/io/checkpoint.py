@@ -14,8 +14,8 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..kernels import codecs
-from ..param_spec import (FP4, FP8, FP8_DEQUANT, INDEX, TensorSpec, empty_tree, leaf_dtype, leaf_plan, put_leaf,
-                          engram_table_specs, layer_specs, top_specs, tree_path)
+from ..param_spec import (FP4, FP8, FP8_DEQUANT, INDEX, TensorSpec, empty_tree, engram_table_specs, expected_tensors,
+                          leaf_dtype, leaf_plan, put_leaf, tree_path)
 from ..plan import LayerPlan
 from .safetensors import FLOAT_DTYPES, INT_DTYPES, CheckpointError, CheckpointReader
 
@@ -25,20 +25,6 @@ FP8Rescale = Callable[[np.ndarray, np.ndarray, tuple[int, int]], tuple[np.ndarra
 
 
 # ---------------------------------------------------------------------------- expected tensors
-def _expected(config: ModelConfig, plan: LayerPlan) -> Iterator[tuple[str, TensorSpec, tuple]]:
-    """(checkpoint name, spec, destination) for every tensor the model needs.
-
-    destination: ("top",) or ("seg", segment, slot, rep)."""
-    for spec in top_specs(config):
-        yield spec.name, spec, ("top",)
-    for s, seg in enumerate(plan.segments):
-        for rep in range(seg.reps):
-            for slot, kind in enumerate(seg.pattern):
-                layer = seg.layer(rep, slot)
-                for spec in layer_specs(config, kind):
-                    yield f"layers.{layer}.{spec.name}", spec, ("seg", s, slot, rep)
-
-
 # checkpoint dtypes accepted per role
 _OK_DTYPES = {
     "float": FLOAT_DTYPES, "index": INT_DTYPES, "fp8": {"F8_E4M3", "U8"}, "fp4": {"I8", "U8"},
@@ -60,7 +46,7 @@ def _roles(spec: TensorSpec) -> list[tuple[str, str, tuple[int, ...], str]]:
 # ---------------------------------------------------------------------------- validation
 def validate_checkpoint(reader: CheckpointReader, config: ModelConfig, plan: LayerPlan, folder: str) -> list:
     """Check names, shapes and dtypes from the headers only; returns the expected (name, spec, dest) list."""
-    expected = list(_expected(config, plan))
+    expected = list(expected_tensors(config, plan))
     present = set(reader.keys())
     wanted: set[str] = set()
     problems: list[str] = []

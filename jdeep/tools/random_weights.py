@@ -14,9 +14,9 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from ..config import ModelConfig
 from ..io.safetensors import write_safetensors
 from ..io.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
+from ..io.writer import quantize_weight
 from ..kernels import codecs
-from ..param_spec import (F32, FP4, FP4_BLOCK, FP8, FP8_DEQUANT, INDEX, TensorSpec, engram_table_specs, layer_specs,
-                          top_specs)
+from ..param_spec import F32, FP4, FP8, FP8_DEQUANT, INDEX, TensorSpec, engram_table_specs, layer_specs, top_specs
 from ..plan import layer_kinds
 from ..presets import TINY_CONFIG, deep_tiny_config, one_layer_config, tiny_v41_config
 
@@ -66,29 +66,6 @@ def random_tensor(rng: np.random.Generator, spec: TensorSpec, config: ModelConfi
     return rng.normal(0, 1.0 / np.sqrt(shape[-1]), shape).astype(np.float32)
 
 
-def _quantize(w: np.ndarray, spec: TensorSpec) -> dict[str, np.ndarray]:
-    """float32 [N, K] -> the checkpoint tensors DeepSeek ships for it (fp8 + e8m0 block scales, or
-    packed fp4 as int8 + e8m0 per-32 scales), scales 2^ceil(log2(amax / format max)), round to nearest even."""
-    N, K = w.shape
-    if spec.fmt == FP4:
-        blocks = w.reshape(N, K // FP4_BLOCK, FP4_BLOCK)
-        amax = np.maximum(np.abs(blocks).max(-1), 6.0 * 2.0 ** -126)
-        e = codecs.ceil_log2(np, (amax / 6.0).astype(np.float32))
-        codes = codecs.e2m1_encode(np, (blocks / codecs.pow2(np, e)[..., None]).reshape(N, K).astype(np.float32))
-        packed = codecs.pack_e2m1(np, codes).astype(np.uint8).view(np.int8)
-        return {spec.name: packed, spec.scale_name: (e + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)}
-    bn, bk = spec.block
-    gn, gk = -(-N // bn), -(-K // bk)
-    pad = np.zeros((gn * bn, gk * bk), np.float32)
-    pad[:N, :K] = w
-    amax = np.maximum(np.abs(pad.reshape(gn, bn, gk, bk)).max(axis=(1, 3)), 1e-30)
-    e = codecs.ceil_log2(np, (amax / 448.0).astype(np.float32))
-    scale = np.repeat(np.repeat(codecs.pow2(np, e), bn, 0), bk, 1)[:N, :K]
-    codes = codecs.e4m3_encode(np, (w / scale).astype(np.float32)).astype(np.uint8)
-    return {spec.name: codes.view(ml_dtypes.float8_e4m3fn),
-            spec.scale_name: (e + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)}
-
-
 def _all_specs(config: ModelConfig):
     for spec in top_specs(config):
         yield spec.name, spec
@@ -136,7 +113,7 @@ def random_checkpoint(config: ModelConfig | dict, folder: str, seed: int = 0, dt
         full = dataclasses.replace(spec, name=name)
         t = random_tensor(rng, full, config)
         if spec.fmt in (FP8, FP8_DEQUANT, FP4):
-            tensors.update(_quantize(t, full))
+            tensors.update(quantize_weight(t, full))
             continue
         if dtype == "bfloat16" and spec.kind not in (F32, INDEX):
             t = t.astype(ml_dtypes.bfloat16)
