@@ -20,11 +20,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jdeep", description="DeepSeek-V4 inference in JAX")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="generate with a built-in seeded random tiny model (no download)")
-    d.add_argument("--max-new-tokens", type=int, default=16)
+    d = sub.add_parser("demo", help="complete Python prompts with the shipped small DeepSeek-V4 (no download); "
+                                    "--random: a seeded random tiny model")
+    d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--seed", type=int, default=0)
     add_load_args(d, "dtype")
-    d.add_argument("--arch", choices=["v4", "v41"], default="v4", help="the tiny model's architecture")
+    d.add_argument("--random", action="store_true", help="a seeded random tiny model instead (token ids in and out)")
+    d.add_argument("--arch", choices=["v4", "v41"], default="v4",
+                   help="the random tiny model's architecture (v41 implies --random)")
     add_load_args(d, *RUNTIME)
     add_process_args(d)
     d.set_defaults(fn=cmd_demo)

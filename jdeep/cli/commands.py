@@ -21,6 +21,7 @@ from ..io.tokenizer import Tokenizer
 from ..param_spec import weight_formats
 from ..presets import BENCH_DEFAULT_CONFIG, TINY_CONFIG, preset, tiny_v41_config
 from ..runtime.engine import Engine
+from ..runtime.sampling import SamplingParams
 from ..serve.server import ServerSettings, serve
 from ..sharding import parse_mesh
 from ..tools.bench import format_report, plot_sweep, run_bench
@@ -34,7 +35,40 @@ from ..tools.random_weights import random_checkpoint
 from .args import batch_sizes, folder_tokenizer, load_kwargs, np_dtype, parse_ints, sampling_params
 
 
+# the small DeepSeek-V4 trained on the Python standard library (scripts/train_demo_model.py; its model card)
+DEMO_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model")
+DEMO_PROMPTS = ['def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', "import os\n\n\ndef read_lines(path):\n",
+                "class Stack:\n    def __init__(self):\n"]
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.random or args.arch == "v41":
+        return _random_demo(args)
+    t0 = time.perf_counter()
+    model = load(DEMO_MODEL, **load_kwargs(args))
+    c = model.config
+    print(f"loaded the shipped demo DeepSeek-V4 ({c.n_layers} layers, hidden {c.dim}, {c.n_routed_experts} routed "
+          f"experts, fp8/fp4 weights; trained on the Python standard library) in {time.perf_counter() - t0:.1f} s")
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        detok = model.tokenizer.detokenizer()
+        detok.push(model.tokenizer.encode(prompt))
+        print("\n" + "-" * 72 + "\n" + prompt, end="", flush=True)
+
+        def show(new: list[list[int]]) -> None:
+            print(detok.push(new[0]), end="", flush=True)
+
+        t0 = time.perf_counter()
+        out = generate(model, [prompt], sampling=SamplingParams(temperature=0.7, top_p=0.95, seed=args.seed + i,
+                                                                max_new_tokens=args.max_new_tokens),
+                       stream=show, stream_every=4)
+        dt = time.perf_counter() - t0
+        print(detok.flush())
+        note = " (the first call includes compiling)" if i == 0 else ""
+        print(f"[{int(out.lengths[0])} tokens in {dt:.2f} s = {out.lengths[0] / dt:.0f} tokens/s{note}]")
+    return 0
+
+
+def _random_demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         random_checkpoint(TINY_CONFIG if args.arch == "v4" else tiny_v41_config(), tmp, seed=args.seed)
