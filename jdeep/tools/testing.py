@@ -14,7 +14,7 @@ from ..layers.chunk import make_chunk
 from ..layers.rope import inv_freq
 from ..model.model import Model
 from ..model.scan import slot_params
-from ..runtime.steps import length_bucket
+from ..runtime.steps import length_bucket, run_step
 from ..state import slot_state_shapes
 
 __all__ = ["teacher_forced_logits", "replay_layer", "row_cosine"]
@@ -36,21 +36,17 @@ def teacher_forced_logits(model: Model, prompt, forced, chunk: int = 64, max_len
     state = model.init_state(1, max_len)
     history = model.new_history(1)
     rows = []
-    prefill_step = model.step_fn(all_logits=True)
     for start in range(0, len(prompt), chunk):
         part = prompt[start:start + chunk]
         S = chunk
         toks = np.zeros((1, S), np.int32)
         pos = np.full((1, S), -1, np.int32)
         toks[0, :len(part)], pos[0, :len(part)] = part, np.arange(start, start + len(part))
-        eng = model.engram_inputs(history, toks, pos)
-        logits, state = prefill_step(model.params, state, jnp.asarray(toks), jnp.asarray(pos), eng)
+        logits, state = run_step(model, state, toks, pos, history, all_logits=True)
         rows.extend(np.asarray(logits[0, :len(part)]))
-    step = model.step_fn(all_logits=False)
     for k, tok in enumerate(forced):
         pos = np.array([[len(prompt) + k]], np.int32)
-        eng = model.engram_inputs(history, np.array([[tok]]), pos)
-        logits, state = step(model.params, state, jnp.asarray([[tok]], jnp.int32), jnp.asarray(pos), eng)
+        logits, state = run_step(model, state, np.array([[tok]], np.int32), pos, history)
         rows.append(np.asarray(logits[0]))
     return np.stack(rows)
 
