@@ -5,7 +5,8 @@ Parameter tree (all leaves of one layer kind stacked layer-major, see plan.py):
 
     {"embed": [V, d], "head": [d, V], "norm": [d], "hc_head_fn": [n, n*d] f32, "hc_head_base": [n] f32,
      "hc_head_scale": [1] f32,
-     "segments": [ [ {layer tree of slot 0, leaves [reps, ...]}, ... ], ... ]}
+     "segments": [ [ {layer tree of slot 0, leaves [reps, ...]}, ... ], ... ],
+     "mtp": {MTP block tree, leaves [depths, ...]}}      # only with a plan that runs the MTP blocks
 
 The output head is the one leaf stored input-major ([d, V], the checkpoint's [V, d] transposed at load): XLA:CPU's
 GEMM for a few rows times a PyTorch-layout [N, K] matrix is 5x slower than with [K, N] at 2..8 rows, and the
@@ -32,9 +33,9 @@ import jax
 import numpy as np
 
 from .config import ModelConfig
-from .plan import REUSE, LayerKind, LayerPlan
+from .plan import REUSE, LayerKind, LayerPlan, mtp_kind
 
-__all__ = ["TensorSpec", "layer_specs", "top_specs", "tree_leaves", "engram_table_specs", "F32", "WEIGHT", "INDEX",
+__all__ = ["TensorSpec", "layer_specs", "mtp_specs", "top_specs", "tree_leaves", "engram_table_specs", "F32", "WEIGHT", "INDEX",
            "FLOAT", "FP8", "FP4", "FP8_DEQUANT", "FP4_BLOCK", "abstract_params", "tree_path", "padded_experts"]
 
 WEIGHT = "weight"  # stored in the model dtype (float32 or bfloat16)
@@ -225,10 +226,28 @@ def _v41_attention_specs(c: ModelConfig, kind: LayerKind, w, q8) -> list[TensorS
     return specs
 
 
+def mtp_specs(c: ModelConfig) -> list[TensorSpec]:
+    """One MTP block `mtp.k` (model-spec.md §4.7): a sliding-window layer plus the input projections of the token
+    embedding (e_proj after enorm) and of the backbone's streams (h_proj after hnorm), and its own head mixer and
+    final norm (the embedding and the vocabulary head are the backbone's)."""
+    d, n = c.dim, c.hc_mult
+    dense_fmt, _, block = weight_formats(c)
+    return layer_specs(c, mtp_kind(c)) + [
+        TensorSpec("e_proj.weight", ("e_proj",), (d, d), WEIGHT, fmt=dense_fmt, block=block),
+        TensorSpec("h_proj.weight", ("h_proj",), (d, d), WEIGHT, fmt=dense_fmt, block=block),
+        TensorSpec("enorm.weight", ("enorm",), (d,), WEIGHT),
+        TensorSpec("hnorm.weight", ("hnorm",), (d,), WEIGHT),
+        TensorSpec("norm.weight", ("norm",), (d,), WEIGHT),
+        TensorSpec("hc_head_fn", ("hc_head_fn",), (n, n * d), F32),
+        TensorSpec("hc_head_base", ("hc_head_base",), (n,), F32),
+        TensorSpec("hc_head_scale", ("hc_head_scale",), (1,), F32),
+    ]
+
+
 def expected_tensors(config: ModelConfig, plan: LayerPlan) -> Iterator[tuple[str, TensorSpec, tuple]]:
     """(checkpoint name, spec, destination) for every tensor the model needs.
 
-    destination: ("top",) or ("seg", segment, slot, rep)."""
+    destination: ("top",), ("seg", segment, slot, rep) or ("mtp", depth) (a plan with MTP blocks)."""
     for spec in top_specs(config):
         yield spec.name, spec, ("top",)
     for s, seg in enumerate(plan.segments):
@@ -237,6 +256,10 @@ def expected_tensors(config: ModelConfig, plan: LayerPlan) -> Iterator[tuple[str
                 layer = seg.layer(rep, slot)
                 for spec in layer_specs(config, kind):
                     yield f"layers.{layer}.{spec.name}", spec, ("seg", s, slot, rep)
+    if plan.mtp is not None:
+        for depth in range(plan.mtp.reps):
+            for spec in mtp_specs(config):
+                yield f"mtp.{depth}.{spec.name}", spec, ("mtp", depth)
 
 
 def engram_table_specs(c: ModelConfig) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
@@ -265,31 +288,42 @@ def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
 
 
 def leaf_plan(config: ModelConfig, plan: LayerPlan) -> dict[tuple, tuple[tuple[int, ...], str]]:
-    """Every tree leaf: key (("top",) | ("seg", s, slot)) + path -> (full shape, dtype class)."""
+    """Every tree leaf: key (("top",) | ("seg", s, slot) | ("mtp",)) + path -> (full shape, dtype class)."""
     leaves: dict[tuple, tuple[tuple[int, ...], str]] = {}
     for spec in top_specs(config):
         for path, shape, cls in tree_leaves(spec):
             leaves[("top",) + path] = (shape, cls)
+
+    def stacked(key: tuple, specs: list[TensorSpec], reps: int) -> None:
+        for spec in specs:
+            if spec.expert not in (None, 0):
+                continue
+            extra = (config.n_routed_experts,) if spec.expert is not None else ()
+            for path, shape, cls in tree_leaves(spec):
+                leaves[key + path] = ((reps,) + extra + shape, cls)
+
     for s, seg in enumerate(plan.segments):
         for slot, kind in enumerate(seg.pattern):
-            for spec in layer_specs(config, kind):
-                if spec.expert not in (None, 0):
-                    continue
-                extra = (config.n_routed_experts,) if spec.expert is not None else ()
-                for path, shape, cls in tree_leaves(spec):
-                    leaves[("seg", s, slot) + path] = ((seg.reps,) + extra + shape, cls)
+            stacked(("seg", s, slot), layer_specs(config, kind), seg.reps)
+    if plan.mtp is not None:
+        stacked(("mtp",), mtp_specs(config), plan.mtp.reps)
     return leaves
 
 
 def empty_tree(plan: LayerPlan) -> dict:
-    """The param tree's skeleton: one empty layer tree per segment slot."""
-    return {"segments": [[{} for _ in seg.pattern] for seg in plan.segments]}
+    """The param tree's skeleton: one empty layer tree per segment slot (and one for the MTP blocks)."""
+    tree: dict = {"segments": [[{} for _ in seg.pattern] for seg in plan.segments]}
+    if plan.mtp is not None:
+        tree["mtp"] = {}
+    return tree
 
 
 def put_leaf(params: dict, key: tuple, value: Any) -> None:
     """Set the leaf of `leaf_plan` key `key` in the param tree."""
     if key[0] == "top":
         _set_path(params, key[1:], value)
+    elif key[0] == "mtp":
+        _set_path(params["mtp"], key[1:], value)
     else:
         _set_path(params["segments"][key[1]][key[2]], key[3:], value)
 
@@ -307,8 +341,10 @@ def abstract_params(config: ModelConfig, plan: LayerPlan, dtype: Any) -> dict:
 
 
 def tree_path(key: tuple) -> tuple:
-    """A leaf key of `leaf_plan` as its path in the param tree (("embed",), ("segments", s, slot, ...))."""
-    return key[1:] if key[0] == "top" else ("segments",) + key[1:]
+    """A leaf key of `leaf_plan` as its path in the param tree (("embed",), ("segments", s, slot, ...), ("mtp", ...))."""
+    if key[0] == "top":
+        return key[1:]
+    return key if key[0] == "mtp" else ("segments",) + key[1:]
 
 
 def padded_experts(n_experts: int, expert_axis: int) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from .config import AttentionKind, ModelConfig
 
-__all__ = ["LayerKind", "Segment", "LayerPlan", "build_plan"]
+__all__ = ["LayerKind", "Segment", "LayerPlan", "build_plan", "mtp_depths", "mtp_kind"]
 
 MAX_PERIOD = 6
 
@@ -73,6 +73,7 @@ class Segment:
 @dataclass(frozen=True)
 class LayerPlan:
     segments: tuple[Segment, ...]
+    mtp: Segment | None = None   # the MTP blocks `mtp.0..` when the model runs them (build_plan(mtp=True))
 
     @property
     def kinds(self) -> tuple[LayerKind, ...]:
@@ -124,11 +125,23 @@ def layer_kinds(config: ModelConfig) -> list[LayerKind]:
             for i, (a, h) in enumerate(zip(config.attention_kinds, config.hash_moe))]
 
 
-def build_plan(config: ModelConfig, max_period: int = MAX_PERIOD) -> LayerPlan:
+def mtp_depths(config: ModelConfig) -> int:
+    """How many DeepSeek-V4 MTP blocks (model-spec.md §4.7) the checkpoint carries: `num_nextn_predict_layers`,
+    unless those blocks are a DSpark drafter (a different module, §5.8); V4.1 ships only the drafter."""
+    return config.n_mtp_layers if config.dspark is None and not config.is_v41 else 0
+
+
+def mtp_kind(config: ModelConfig) -> LayerKind:
+    """An MTP block's kind: sliding window only, a top-k (not hash-routed) MoE with a routing bias."""
+    return LayerKind(AttentionKind(0), False)
+
+
+def build_plan(config: ModelConfig, max_period: int = MAX_PERIOD, mtp: bool = False) -> LayerPlan:
     """Greedy cut: at each layer take the period whose repetition covers the most layers.
 
     Ties prefer the shorter period; a period is only worth it when it repeats (reps >= 2),
-    otherwise the segment is a single layer.
+    otherwise the segment is a single layer. mtp: the plan also holds the checkpoint's MTP blocks, as one
+    segment of `mtp_depths` repetitions numbered after the backbone (ValueError when there are none).
     """
     kinds = layer_kinds(config)
     n = len(kinds)
@@ -152,4 +165,13 @@ def build_plan(config: ModelConfig, max_period: int = MAX_PERIOD) -> LayerPlan:
                 best_p, best_reps, best_cover = p, reps, reps * p
         segments.append(Segment(i, tuple(kinds[i:i + best_p]), best_reps))
         i += best_p * best_reps
-    return LayerPlan(tuple(segments))
+    mtp_segment = None
+    if mtp:
+        if mtp_depths(config) == 0:
+            what = "no MTP block"
+            if config.dspark is not None or config.n_mtp_layers:
+                what = "a DSpark drafter (model-spec.md §5.8, not run by jdeep yet), not DeepSeek-V4's MTP blocks,"
+            raise ValueError(f"this model has {what} (num_nextn_predict_layers={config.n_mtp_layers}): "
+                             "mtp=True needs DeepSeek-V4's MTP blocks")
+        mtp_segment = Segment(n, (mtp_kind(config),), mtp_depths(config))
+    return LayerPlan(tuple(segments), mtp_segment)

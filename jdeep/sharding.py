@@ -179,6 +179,8 @@ class Layout:
         ("segments", s, slot, "attn", "wq_b", "codes"), ...)."""
         if path and path[0] == "segments":
             return self._spec(param_logical_axes(tuple(path[3:]), len(shape), 1), shape)
+        if path and path[0] == "mtp":
+            return self._spec(param_logical_axes(tuple(path[1:]), len(shape), 1), shape)
         return self._spec(param_logical_axes(tuple(path), len(shape), 0), shape)
 
     def param_shardings(self, params: Any) -> Any:

@@ -40,7 +40,8 @@ from .kernels.kv_record_v41 import ckv_record_bytes, ikey_record_bytes, window_r
 from .numerics import Numerics
 from .plan import LayerKind, LayerPlan
 
-__all__ = ["slot_state_shapes", "source_state_shapes", "source_index", "init_state", "empty_state", "state_bytes", "reset_slots"]
+__all__ = ["slot_state_shapes", "source_state_shapes", "source_index", "init_state", "empty_state", "empty_slot_state",
+           "state_bytes", "reset_slots"]
 
 State = dict  # {"segments": list (segments) of list (slots) of dict[str, jax.Array], "sources": dict}
 
@@ -113,16 +114,18 @@ def init_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, d
     return jax.device_put(empty_state(config, plan, batch, max_len, dtype, numerics), jax.devices()[0])
 
 
+def empty_slot_state(config: ModelConfig, kind: LayerKind, reps: int, batch: int, max_len: int, dtype: Any,
+                     numerics: Numerics | None = None) -> dict[str, jax.Array]:
+    """The fresh state of `reps` layers of one kind (slot_state_shapes), without placement."""
+    shapes = slot_state_shapes(config, kind, reps, batch, max_len, dtype, numerics)
+    return {k: jnp.full(s, _fill(k), dt) for k, (s, dt) in shapes.items()}
+
+
 def empty_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any,
                 numerics: Numerics | None = None) -> State:
     """The fresh state's arrays, without placement (traceable: sharded models build it inside a program)."""
-    segments = []
-    for seg in plan.segments:
-        slots = []
-        for kind in seg.pattern:
-            shapes = slot_state_shapes(config, kind, seg.reps, batch, max_len, dtype, numerics)
-            slots.append({k: jnp.full(s, _fill(k), dt) for k, (s, dt) in shapes.items()})
-        segments.append(slots)
+    segments = [[empty_slot_state(config, kind, seg.reps, batch, max_len, dtype, numerics) for kind in seg.pattern]
+                for seg in plan.segments]
     sources = {key: {k: jnp.full(s, _fill(k), dt) for k, (s, dt) in shapes.items()}
                for key, shapes in source_state_shapes(config, batch, max_len, dtype, numerics).items()}
     return {"segments": segments, "sources": sources}

@@ -38,7 +38,8 @@ from jdeep.io.writer import float_config, named_tensors, write_checkpoint
 from jdeep.tools.evaluate import NUMERICS_MODES, compare, format_table, load_modes, read_texts
 from jdeep.tools.random_weights import random_checkpoint
 from jdeep.tools.stdlib_corpus import read_text, stdlib_files
-from jdeep.tools.train import lm_loss, make_train_step, merge, split_trainable
+from jdeep.tools.mtp_eval import mtp_accuracy
+from jdeep.tools.train import MTP_WEIGHT, lm_loss, make_train_step, merge, split_trainable
 
 # DeepSeek-V4's special tokens (tokenizer_config of the released models), ids 0.. in this order
 SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>",
@@ -64,7 +65,7 @@ def demo_config(vocab_size: int) -> dict:
         "n_shared_experts": 1, "moe_intermediate_size": 128, "routed_scaling_factor": 1.5,
         "scoring_func": "sqrtsoftplus", "swiglu_limit": 10.0, "rms_norm_eps": 1e-6, "rope_theta": 10000,
         "compress_rope_theta": 160000, "max_position_embeddings": 4096, "bos_token_id": BOS, "eos_token_id": EOS,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": 1,
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                 "weight_block_size": [128, 128], "activation_scheme": "dynamic",
                                 "expert_dtype": "fp4"},
@@ -104,9 +105,10 @@ def batches(stream: np.ndarray, batch: int, length: int, rng: np.random.Generato
         yield np.stack([stream[s:s + length] for s in starts])
 
 
-def evaluate(out: str, base: str, files: list[str], max_tokens: int, context: int) -> str:
-    """`jdeep eval`'s table of the written checkpoint in every numerics mode against its float weights, on the
-    first validation files (up to max_tokens tokens)."""
+def evaluate(out: str, base: str, files: list[str], max_tokens: int, context: int) -> tuple[str, str]:
+    """`jdeep eval`'s table of the written checkpoint in every numerics mode against its float weights, and the MTP
+    block's next-next-token accuracy (float weights; the checkpoint in DeepSeek's numerics), on the first
+    validation files (up to max_tokens tokens)."""
     models = {"float weights": jdeep.load(base), **load_modes(out, list(NUMERICS_MODES))}
     texts, n = [], 0
     files = [f for f in files if read_text(f).strip()]          # the stdlib has empty __init__.py files
@@ -116,12 +118,20 @@ def evaluate(out: str, base: str, files: list[str], max_tokens: int, context: in
         texts.append((path, ids[:max_tokens - n]))
         n += len(texts[-1][1])
     result = compare(models, texts, base=models["float weights"], context=context, stride=context // 2)
-    return format_table(result)
+    rows = ["| weights, numerics | positions | MTP top-1 (token t+2) | MTP = backbone's top-1 at t+1 | backbone top-1 |",
+            "|---|---|---|---|---|"]
+    for name, model in (("float weights", jdeep.load(base, mtp=True)),
+                        ("fp8/fp4, DeepSeek's numerics", jdeep.load(out, mtp=True, **NUMERICS_MODES["deepseek"]))):
+        acc = mtp_accuracy(model, [ids for _, ids in texts], context)
+        rows.append(f"| {name} | {acc['positions']} | {acc['mtp_top1']:.1%} | {acc['agreement']:.1%} | "
+                    f"{acc['main_top1']:.1%} |")
+    return format_table(result), "\n".join(rows)
 
 
-def model_card(folder: str, result: dict, raw: dict, table: str) -> None:
-    """README.md of the checkpoint: data, tokenizer, size, training, loss curve and the evaluation table."""
-    curve = "\n".join(f"| {s} | {loss:.3f} |" for s, loss in result["curve"][::4] + result["curve"][-1:])
+def model_card(folder: str, result: dict, raw: dict, table: str, mtp_table: str) -> None:
+    """README.md of the checkpoint: data, tokenizer, size, training, loss curve and the evaluation tables."""
+    curve = "\n".join(f"| {s} | {lm:.3f} | {mtp:.3f} | {kl:.3f} |"
+                      for s, lm, mtp, kl in result["curve"][::4] + result["curve"][-1:])
     text = f"""# jdeep demo model: a small DeepSeek-V4 trained on the Python standard library
 
 The model `jdeep demo` runs. Written by `scripts/train_demo_model.py` (seed {result["seed"]}) with jdeep's own forward
@@ -139,8 +149,11 @@ as the model, in DeepSeek's published checkpoint format: config.json, model.safe
 - Tokenizer: byte-level BPE ({raw["vocab_size"]} ids) trained on the training files; ids 0-15 are DeepSeek-V4's
   special tokens (BOS 0, EOS 1, pad, User/Assistant, think, tool-call markers).
 - Training: {result["steps"]} steps of AdamW (warmup + cosine), batch {result["batch"]} x {result["seq_len"]} tokens
-  ({result["tokens_seen"] / 1e6:.1f} M tokens seen), next-token loss in float numerics, on 2 CPU cores in
-  {result["minutes"]:.0f} minutes.
+  ({result["tokens_seen"] / 1e6:.1f} M tokens seen), in float numerics, on 2 CPU cores in {result["minutes"]:.0f}
+  minutes. Objectives, as DeepSeek trains V4: the next-token loss, plus {MTP_WEIGHT} x the MTP block's next-next-token
+  loss (`mtp.0`: the backbone's final streams at t and the embedding of token t+1 predict token t+2), plus the
+  lightning indexer's KL divergence from the main attention's distribution over the compressed entries (the
+  indexer's inputs and its target detached, so it trains only the indexer).
 - Validation perplexity (float weights, windows of {result["seq_len"]} tokens): **{result["val_ppl"]:.1f}**; a unigram
   model of the same tokenizer: {result["unigram_ppl"]:.1f}.
 
@@ -150,10 +163,17 @@ as the model, in DeepSeek's published checkpoint format: config.json, model.safe
 {table}
 ```
 
-## Loss curve
+## MTP block (next-next-token prediction, validation files, windows of {result["seq_len"]} tokens)
 
-| step | training loss |
-|---|---|
+{mtp_table}
+
+The middle column is the greedy acceptance rate of a one-token MTP draft (teacher-forced): how often the MTP
+block's guess for token t+2 is what the backbone itself predicts there.
+
+## Loss curve (training batches)
+
+| step | next-token loss | MTP loss | indexer KL |
+|---|---|---|---|
 {curve}
 """
     with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
@@ -182,11 +202,12 @@ def main() -> int:
             result = {"seed": args.seed, "batch": args.batch, "seq_len": args.seq_len, **json.load(f)}
         with open(os.path.join(args.out, "config.json")) as f:
             raw = json.load(f)
-        base = jdeep.load(args.float_out)
+        base = jdeep.load(args.float_out, mtp=True)
         write_checkpoint(args.out, raw, named_tensors(base.config, base.plan, base.params), dtype="bfloat16")
-        table = evaluate(args.out, args.float_out, stdlib_files(args.val_every)[1], args.eval_tokens, args.seq_len)
-        print(table)
-        model_card(args.out, result, raw, table)
+        table, mtp_table = evaluate(args.out, args.float_out, stdlib_files(args.val_every)[1], args.eval_tokens,
+                                    args.seq_len)
+        print(table, mtp_table, sep="\n")
+        model_card(args.out, result, raw, table, mtp_table)
         return 0
     t_start = time.time()
     os.makedirs(args.work, exist_ok=True)
@@ -200,7 +221,7 @@ def main() -> int:
     raw = demo_config(tok.get_vocab_size())
     init = os.path.join(args.work, "init")
     random_checkpoint(float_config(jdeep.ModelConfig.from_dict(raw)).to_dict(), init, seed=args.seed)
-    model = jdeep.load(init)
+    model = jdeep.load(init, mtp=True)
     config, plan = model.config, model.plan
     train, fixed = split_trainable(model.params)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(model.params))
@@ -213,10 +234,12 @@ def main() -> int:
     curve = []
     t0 = time.time()
     for i, tokens in zip(range(args.steps), batches(train_ids, args.batch, args.seq_len, rng)):
-        train, opt_state, loss = step(train, fixed, opt_state, tokens, mask)
+        train, opt_state, losses = step(train, fixed, opt_state, tokens, mask)
         if i % 25 == 0 or i == args.steps - 1:
-            curve.append((i, float(loss)))
-            print(f"step {i:5d}  loss {float(loss):.3f}  {(time.time() - t0) / (i + 1):.2f} s/step", flush=True)
+            losses = {k: float(v) for k, v in losses.items()}
+            curve.append((i, losses["lm"], losses["mtp"], losses["index_kl"]))
+            print(f"step {i:5d}  loss {losses['lm']:.3f}  mtp {losses['mtp']:.3f}  indexer KL {losses['index_kl']:.3f}"
+                  f"  {(time.time() - t0) / (i + 1):.2f} s/step", flush=True)
     params = merge(train, fixed)
 
     # validation: next-token loss over consecutive windows of the held-out files (float numerics)
@@ -240,9 +263,9 @@ def main() -> int:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out} in {(time.time() - t_start) / 60:.1f} min", flush=True)
     if args.float_out:
-        table = evaluate(args.out, args.float_out, val_files, args.eval_tokens, args.seq_len)
-        print(table, flush=True)
-        model_card(args.out, result, raw, table)
+        table, mtp_table = evaluate(args.out, args.float_out, val_files, args.eval_tokens, args.seq_len)
+        print(table, mtp_table, sep="\n", flush=True)
+        model_card(args.out, result, raw, table, mtp_table)
     return 0
 
 

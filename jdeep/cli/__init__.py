@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--stride", type=int, help="tokens between window starts (default context / 2)")
     ev.add_argument("--prefill-chunk", type=int, default=256)
     ev.add_argument("--json", help="write the result (schema jdeep.eval/1)")
+    ev.add_argument("--mtp", action="store_true", help="also load the MTP block and report its next-next-token "
+                                                        "accuracy per numerics mode (DeepSeek-V4 checkpoints)")
     ev.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                     help="a progress bar over the scored windows (on stderr)")
     add_load_args(ev, "dtype", *RUNTIME)

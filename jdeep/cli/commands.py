@@ -28,6 +28,7 @@ from ..tools.bench import format_report, plot_sweep, run_bench
 from ..tools.compare import hf_config, require_transformers  # imports torch only when called
 from ..tools.evaluate import NUMERICS_MODES, compare, format_table, load_modes, read_texts
 from ..tools.export import export_programs, model_info
+from ..tools.mtp_eval import format_mtp_table, mtp_accuracy
 from ..tools.graphcheck import Limits, check_lowered
 from ..tools.info import device_footprint, mesh_summary, summary
 from ..tools.programs import Target, model_programs
@@ -262,13 +263,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Perplexity of the model over text files in each numerics mode, and against a base distribution."""
     kwargs = load_kwargs(args)
     quantized = weight_formats(ModelConfig.from_file(args.model))[0] != "float"
+    mtp_kwargs = {"mtp": True} if args.mtp else {}
     names = args.numerics.split(",") if args.numerics else (list(NUMERICS_MODES) if quantized else ["float"])
     base = None
     if args.base_model:
         base = load(args.base_model, **kwargs)
     elif args.base_numerics:
         names = [args.base_numerics] + [n for n in names if n != args.base_numerics]
-    models = load_modes(args.model, names, **kwargs)
+    models = load_modes(args.model, names, **kwargs, **mtp_kwargs)
     if args.base_numerics:
         base = models[args.base_numerics]
     elif base is not None:
@@ -292,6 +294,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result["base"] = args.base_model or (f"{args.model} ({args.base_numerics})" if args.base_numerics else None)
     result["files"] = [{"path": p, "tokens": int(len(ids))} for p, ids in texts]
     print(format_table(result))
+    if args.mtp:
+        result["mtp"] = {name: mtp_accuracy(models[name], [ids for _, ids in texts], args.context) for name in names}
+        print()
+        print(format_mtp_table(result["mtp"], args.context))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"schema": "jdeep.eval/1", **result}, f, indent=1)

@@ -94,8 +94,9 @@ _LATER_PREFIXES = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "i
 
 
 def _kept_for_later(name: str, config: ModelConfig) -> bool:
-    """Tensors of modules jdeep does not run yet: the MTP / DSpark drafter blocks (`mtp.*`), and V4.1's
-    vision tower, aligner, image-span vectors and image routing bias. They are accepted, not loaded."""
+    """Tensors of modules the plan does not run: the MTP / DSpark drafter blocks (`mtp.*`, unless the plan holds
+    the MTP blocks), and V4.1's vision tower, aligner, image-span vectors and image routing bias. They are
+    accepted, not loaded."""
     if name.startswith(_LATER_PREFIXES):
         return True
     return config.is_v41 and name.endswith(".ffn.gate.bias_vl")
@@ -125,7 +126,8 @@ def load_params_sharded(folder: str, config: ModelConfig, plan: LayerPlan, dtype
 
     Validation (names, shapes, dtypes) runs on the headers before any data is read and raises one
     CheckpointError listing every missing, unexpected, mis-shaped or wrongly typed tensor. `mtp.*` tensors
-    (the multi-token-prediction block, not run by jdeep) and V4.1's vision tensors are accepted and skipped.
+    are loaded when the plan runs the MTP blocks (build_plan(mtp=True)), else accepted and skipped, as are
+    V4.1's vision tensors.
 
     sharding_for(tree path, shape) -> jax.sharding.Sharding of that leaf. n_experts: the routed-expert axis
     length of the expert leaves (>= config.n_routed_experts; the extra experts are zeros, never routed to).
@@ -150,7 +152,7 @@ def load_params_sharded(folder: str, config: ModelConfig, plan: LayerPlan, dtype
     done = 0
     for key, (shape, cls) in leaf_plan(config, plan).items():
         items = fills[key]
-        if key[0] == "seg" and items[0][2].expert is not None:
+        if key[0] != "top" and items[0][2].expert is not None:
             shape = shape[:1] + (n_experts,) + shape[2:]
         dt = leaf_dtype(cls, dtype)
         sharding = sharding_for(tree_path(key), shape)
@@ -179,13 +181,14 @@ def _fill_plan(expected: list) -> dict[tuple, list]:
     fills: dict[tuple, list] = {}
     for name, spec, dest in expected:
         prefix = name[: len(name) - len(spec.name)]
-        key0 = ("top",) if dest[0] == "top" else ("seg", dest[1], dest[2])
+        key0 = dest[:1] if dest[0] in ("top", "mtp") else ("seg", dest[1], dest[2])
         for tname, role, _shape, suffix in _roles(spec):
             if spec.fmt == FP8_DEQUANT:
                 path = key0 + spec.path
             else:
                 path = key0 + spec.path + ((suffix,) if suffix else ())
-            idx = () if dest[0] == "top" else (dest[3],) + ((spec.expert,) if spec.expert is not None else ())
+            expert = (spec.expert,) if spec.expert is not None else ()
+            idx = () if dest[0] == "top" else (dest[1:] if dest[0] == "mtp" else dest[3:]) + expert
             fills.setdefault(path, []).append((prefix + tname, role, spec, idx))
     return fills
 

@@ -54,16 +54,22 @@ def float_config(config: ModelConfig) -> ModelConfig:
 
 
 def named_tensors(config: ModelConfig, plan: LayerPlan, params: dict) -> dict[str, np.ndarray]:
-    """A float parameter tree (the layout jdeep.load gives a float checkpoint of `config`) as checkpoint tensors
-    under DeepSeek's names: float32 [N, K] weights (input-major leaves transposed back), int64 expert-id tables."""
+    """A float parameter tree (the layout jdeep.load gives a float checkpoint of `config`, with the MTP blocks when
+    the plan holds them) as checkpoint tensors under DeepSeek's names: float32 [N, K] weights (input-major leaves transposed back), int64 expert-id tables."""
     out = {}
     for name, spec, dest in expected_tensors(config, plan):
         if spec.fmt != FLOAT:
             raise ValueError(f"{name}: named_tensors reads float trees; quantized leaves ({spec.fmt}) are not float")
-        tree = params if dest[0] == "top" else params["segments"][dest[1]][dest[2]]
+        expert = (spec.expert,) if spec.expert is not None else ()
+        if dest[0] == "top":
+            tree, idx = params, ()
+        elif dest[0] == "mtp":
+            tree, idx = params["mtp"], dest[1:] + expert
+        else:
+            tree, idx = params["segments"][dest[1]][dest[2]], dest[3:] + expert
         for p in spec.path:
             tree = tree[p]
-        leaf = tree if dest[0] == "top" else tree[(dest[3],) + ((spec.expert,) if spec.expert is not None else ())]
+        leaf = tree[idx] if idx else tree
         value = np.asarray(leaf)
         if spec.input_major:
             value = value.T
@@ -76,7 +82,8 @@ def checkpoint_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], dtyp
     """Float tensors by checkpoint name -> what a checkpoint of `config` stores: quantized codes and scales for
     the tensors its quantization_config makes fp8 / fp4, the rest float32 (or bfloat16 weights)."""
     out = {}
-    for name, spec, _ in expected_tensors(config, build_plan(config)):
+    plan = build_plan(config, mtp=any(name.startswith("mtp.") for name in tensors))
+    for name, spec, _ in expected_tensors(config, plan):
         t = tensors[name]
         if spec.fmt in (FP8, FP8_DEQUANT, FP4):
             out.update(quantize_weight(np.asarray(t, np.float32), dataclasses.replace(spec, name=name)))

@@ -14,6 +14,7 @@ from ..kernels.quant import fp8_fake_quant
 from ..numerics import Numerics
 from .chunk import Chunk
 from .compressor import compress_chunk
+from .index_loss import index_kl
 from .indexer import index_select
 from .linear import dense
 from .norm import rms_norm
@@ -67,8 +68,10 @@ def _head_rms(q: jax.Array, eps: float) -> jax.Array:
 
 
 def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *, config: ModelConfig,
-              numerics: Numerics, kind: AttentionKind, freqs: np.ndarray) -> tuple[jax.Array, dict]:
-    """x [B, S, d] (after attn_norm) -> ([B, S, d], updated state of this layer kind)."""
+              numerics: Numerics, kind: AttentionKind, freqs: np.ndarray, losses: list | None = None
+              ) -> tuple[jax.Array, dict]:
+    """x [B, S, d] (after attn_norm) -> ([B, S, d], updated state of this layer kind). `losses` (a list, training)
+    receives the indexer's objective of an indexer layer: fp32 [2] (KL sum, count; layers/index_loss.py)."""
     B, S, _ = x.shape
     H, D, W, eps = config.n_heads, config.head_dim, config.window_size, config.norm_eps
     pos = chunk.positions
@@ -99,8 +102,10 @@ def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *
         st = {**st, "ckv": ckv, "cbuf_kv": cbuf_kv, "cbuf_score": cbuf_sc}
         entries = ckv[layer]                                                 # [B, Tc+1, D | record]
         if kind.has_indexer:
-            idx, selected, st = index_select(x, q_latent, p["indexer"], st, layer, chunk,
-                                             config=config, numerics=numerics, ratio=m, freqs=freqs)
+            idx, selected, st, score = index_select(x, q_latent, p["indexer"], st, layer, chunk,
+                                                    config=config, numerics=numerics, ratio=m, freqs=freqs)
+            if losses is not None:
+                losses.append(index_kl(q, read(entries), score, (pos + 1) // m, chunk.valid, D ** -0.5))
             sel_keys = read(jnp.take_along_axis(entries[:, None], idx[..., None], axis=2))   # [B, S, K, D]
             sel_mask = selected
         else:

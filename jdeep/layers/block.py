@@ -48,13 +48,15 @@ def _hc(config: ModelConfig) -> dict:
 
 def attention_half(p: dict, st: dict, sources: dict, layer: jax.Array, row: jax.Array | None, streams: Streams,
                    engram_rows: tuple | None, chunk: Chunk, *, config: ModelConfig, numerics: Numerics,
-                   kind: LayerKind, freqs: np.ndarray, record: list | None = None) -> tuple[Streams, dict, dict]:
+                   kind: LayerKind, freqs: np.ndarray, record: list | None = None, losses: list | None = None
+                   ) -> tuple[Streams, dict, dict]:
     """[Engram], then the mHC-wrapped attention. Returns (streams, st, sources).
 
     p: this layer's hc_attn_*, attn_norm, attn [, engram]; st: this kind's stacked state ([R, B, ...]) indexed by
     `layer`; sources: the shared compressed caches (state["sources"], {} without shared KV), `row` (traced int32)
     this layer's row in its ratio's group; engram_rows: this layer's host-gathered table rows (codes, scales).
-    `record` (a list) receives the streams right after the Engram update."""
+    `record` (a list) receives the streams right after the Engram update; `losses` (a list, training) the
+    indexer objective of a V4 indexer layer (layers/attention.py)."""
     X = streams.X
     if kind.engram:
         dead = None if config.image_token_id is None else chunk.tokens == config.image_token_id
@@ -71,7 +73,7 @@ def attention_half(p: dict, st: dict, sources: dict, layer: jax.Array, row: jax.
         st = {**st, "window": window}
     else:
         y, st = attention(p["attn"], st, layer, h, chunk, config=config, numerics=numerics, kind=kind.attn,
-                          freqs=freqs)
+                          freqs=freqs, losses=losses)
     X = hc_expand(y, post, comb, X)
     return Streams(X, pre if kind.delayed_premix else None, published), st, sources
 
@@ -91,11 +93,12 @@ def ffn_half(p: dict, experts: dict, layer: jax.Array, streams: Streams, chunk: 
 
 def block(p: dict, experts: dict, st: dict, sources: dict, layer: jax.Array, row: jax.Array | None, streams: Streams,
           engram_rows: tuple | None, chunk: Chunk, *, config: ModelConfig, numerics: Numerics, kind: LayerKind,
-          freqs: np.ndarray, record: list | None = None, layout=None) -> tuple[Streams, dict, dict]:
+          freqs: np.ndarray, record: list | None = None, layout=None, losses: list | None = None
+          ) -> tuple[Streams, dict, dict]:
     """One layer: both halves. Returns (streams, st, sources). `record` (a list) receives the streams after the
-    Engram update (if any) and after the block."""
+    Engram update (if any) and after the block; `losses` (a list) the indexer objective (attention_half)."""
     streams, st, sources = attention_half(p, st, sources, layer, row, streams, engram_rows, chunk, config=config,
-                                          numerics=numerics, kind=kind, freqs=freqs, record=record)
+                                          numerics=numerics, kind=kind, freqs=freqs, record=record, losses=losses)
     streams = ffn_half(p, experts, layer, streams, chunk, config=config, numerics=numerics, hash_moe=kind.hash_moe,
                        delayed_premix=kind.delayed_premix, layout=layout)
     if record is not None:

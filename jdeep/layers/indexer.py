@@ -21,13 +21,16 @@ __all__ = ["index_select"]
 
 def index_select(x: jax.Array, q_latent: jax.Array, p: dict, st: dict, layer: jax.Array, chunk: Chunk, *,
                  config: ModelConfig, numerics: Numerics, ratio: int, freqs: np.ndarray
-                 ) -> tuple[jax.Array, jax.Array, dict]:
+                 ) -> tuple[jax.Array, jax.Array, dict, jax.Array]:
     """Update the indexer's key cache with this chunk and select entries for every query.
 
     x [B, S, d] attention input; q_latent [B, S, q_lora] (c_q). st holds ikeys [R, B, Tc+1, DI] and the
-    indexer compressor ring. Returns (idx int32 [B, S, K], selected bool [B, S, K], st) with
-    K = min(index_topk, Tc + 1); entries not visible to a query are never marked selected.
+    indexer compressor ring. Returns (idx int32 [B, S, K], selected bool [B, S, K], st, score fp32 [B, S, Tc+1])
+    with K = min(index_topk, Tc + 1); entries not visible to a query are never marked selected (score -inf).
+    The inputs are detached: the indexer learns from its own objective (layers/index_loss.py), and the
+    selection it feeds is not differentiable anyway.
     """
+    x, q_latent = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
     B, S, _ = x.shape
     nI, DI = config.index_n_heads, config.index_head_dim
     qat = None
@@ -50,4 +53,4 @@ def index_select(x: jax.Array, q_latent: jax.Array, p: dict, st: dict, layer: ja
     k = min(config.index_topk, keys.shape[1])
     _, idx = kernels.get("topk")(score, k)
     selected = idx < visible_count[..., None]
-    return idx.astype(jnp.int32), selected, st
+    return idx.astype(jnp.int32), selected, st, score

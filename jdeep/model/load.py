@@ -31,7 +31,7 @@ __all__ = ["load"]
 def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: bool | None = None,
          fp8_max: float | None = None, packed_kv: bool = False, progress: bool = False,
          compile_mode: str | None = None, host_embedding: bool = False, pack_params: bool | None = None,
-         mesh=None) -> Model:
+         mesh=None, mtp: bool = False) -> Model:
     """Load a DeepSeek-V4 checkpoint folder (HF layout: config.json + safetensors) or a folder written
     by `jdeep convert` (Orbax).
 
@@ -59,6 +59,8 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     equal the number of devices (of all processes, after jax.distributed.initialize). Each process reads
     only the checkpoint slices its devices hold; routed experts are padded with zero experts to a multiple
     of the expert axis. Both compile modes run on the mesh, with an expert-parallel MoE.
+    mtp: also load DeepSeek-V4's MTP blocks (`mtp.*`, model-spec.md §4.7) into params["mtp"] (model/mtp.py);
+    otherwise their tensors are checked by name only and not read.
     The folder's tokenizer.json, if any, becomes `model.tokenizer` (text prompts and stop strings).
     On Neuron, load also sets the compiler's environment (platform.configure_neuron).
     """
@@ -76,7 +78,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     if fp8_max is None:
         fp8_max = plat.fp8_max
     config = ModelConfig.from_file(path)
-    plan = build_plan(config)
+    plan = build_plan(config, mtp=mtp)
     numerics = Numerics.for_config(config, quantize_activations, fp8_max, packed_kv)
     device = jax.devices()[0]   # one placement for both sources, so both hit the same compiled programs
     layout = None
@@ -85,6 +87,9 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     if convert.is_converted(path) and config.engram is not None:
         raise ValueError(f"{path}: converted (Orbax) folders of models with Engram layers are not supported yet; "
                          "load the original checkpoint folder")
+    if mtp and convert.is_converted(path):
+        raise ValueError(f"{path}: converted (Orbax) folders hold no MTP blocks; load the original checkpoint folder "
+                         "for mtp=True")
     if layout is not None:
         params = _load_sharded(path, config, plan, jdtype, numerics, layout, progress)
     elif convert.is_converted(path):

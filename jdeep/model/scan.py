@@ -56,7 +56,9 @@ def segment_inputs(seg: Segment, config: ModelConfig, engram: tuple | None) -> l
 
 
 def _run_segment(seg: Segment, seg_params: list, seg_state: list, sources: dict, streams: Streams, aux: list,
-                 chunk, config: ModelConfig, numerics: Numerics, record: bool, layout=None):
+                 chunk, config: ModelConfig, numerics: Numerics, record: bool, layout=None, index_loss: bool = False):
+    """The segment's lax.scan. Returns (streams, state, sources, recorded streams per repetition, indexer
+    objective fp32 [2] summed over the segment's indexer layers (None without index_loss))."""
     split = [slot_params(sp) for sp in seg_params]
     per_layer = [s[0] for s in split]
     experts = [s[1] for s in split]
@@ -67,21 +69,24 @@ def _run_segment(seg: Segment, seg_params: list, seg_state: list, sources: dict,
         p_slots, a_slots = xs
         st = list(st)
         outs = [] if record else None
+        losses = [] if index_loss else None
         for j, kind in enumerate(seg.pattern):
             a = a_slots[j]
             streams, st[j], sources = block(_unpacked(p_slots[j]), experts[j], st[j], sources, r, a.get("row"),
                                             streams, a.get("engram"), chunk, config=config, numerics=numerics,
-                                            kind=kind, freqs=freqs[j], record=outs, layout=layout)
-        return (streams, st, sources, r + 1), outs
+                                            kind=kind, freqs=freqs[j], record=outs, layout=layout, losses=losses)
+        loss = sum(losses, jnp.zeros(2, jnp.float32)) if index_loss else None
+        return (streams, st, sources, r + 1), (outs, loss)
 
     init = (streams, list(seg_state), sources, jnp.int32(0))
-    (streams, seg_state, sources, _), ys = jax.lax.scan(body, init, (per_layer, aux))
-    return streams, seg_state, sources, ys
+    (streams, seg_state, sources, _), (ys, loss) = jax.lax.scan(body, init, (per_layer, aux))
+    return streams, seg_state, sources, ys, (jnp.sum(loss, axis=0) if index_loss else None)
 
 
 def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Array, engram: tuple | None = None,
                embeds: jax.Array | None = None, *, config: ModelConfig, plan: LayerPlan,
-               numerics: Numerics = Numerics(), all_logits: bool = False, streams: bool = False, layout=None):
+               numerics: Numerics = Numerics(), all_logits: bool = False, streams: bool = False, layout=None,
+               training: bool = False):
     """One chunk through the model.
 
     tokens int32 [B, S]; positions int32 [B, S] (absolute, consecutive per row, -1 = padding after the
@@ -94,6 +99,9 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     right after every Engram update, engram_out [n_engram, B, S, n, d] (absent without Engram layers).
     layout (sharding.Layout): the model runs on a device mesh: the MoE is expert-parallel and the new state
     and the logits are constrained to the layout's shardings (state by sequence slot, logits replicated).
+    training: a last output holds what training needs besides the logits (tools/train.py): "hidden", the final
+    streams X [B, S, n, d] (the MTP blocks' input), and "index_kl" fp32 [2], the indexer objective summed over
+    the V4 indexer layers and its number of terms (layers/index_loss.py).
     """
     require_engram(plan, engram)
     chunk = make_chunk(tokens, positions, config.vocab_size)
@@ -104,8 +112,10 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     engram_out: list = []
     for i, seg in enumerate(plan.segments):
         aux = segment_inputs(seg, config, engram)
-        s, seg_state, sources, ys = _run_segment(seg, params["segments"][i], state["segments"][i], sources, s, aux,
-                                                 chunk, config, numerics, streams, layout)
+        s, seg_state, sources, ys, seg_loss = _run_segment(seg, params["segments"][i], state["segments"][i], sources,
+                                                           s, aux, chunk, config, numerics, streams, layout, training)
+        if training:
+            index_kl = seg_loss if i == 0 else index_kl + seg_loss
         segments.append(seg_state)
         if streams:
             k = 0
@@ -122,9 +132,12 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     if layout is not None:
         new_state = layout.constrain_state(new_state)
         logits = layout.constrain_replicated(logits)
+    outputs = (logits, new_state)
     if streams:
         recorded = {"block_out": jnp.stack(block_out)}
         if engram_out:
             recorded["engram_out"] = jnp.stack([x for _, x in sorted(engram_out, key=lambda t: t[0])])
-        return logits, new_state, recorded
-    return logits, new_state
+        outputs += (recorded,)
+    if training:
+        outputs += ({"hidden": s.X, "index_kl": index_kl},)
+    return outputs

@@ -16,8 +16,9 @@ from ..io.safetensors import write_safetensors
 from ..io.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
 from ..io.writer import quantize_weight
 from ..kernels import codecs
-from ..param_spec import F32, FP4, FP8, FP8_DEQUANT, INDEX, TensorSpec, engram_table_specs, layer_specs, top_specs
-from ..plan import layer_kinds
+from ..param_spec import (F32, FP4, FP8, FP8_DEQUANT, INDEX, TensorSpec, engram_table_specs, layer_specs, mtp_specs,
+                          top_specs)
+from ..plan import layer_kinds, mtp_depths
 from ..presets import TINY_CONFIG, deep_tiny_config, one_layer_config, tiny_v41_config
 
 __all__ = ["TINY_CONFIG", "deep_tiny_config", "one_layer_config", "tiny_v41_config", "random_tensor", "random_checkpoint",
@@ -72,6 +73,9 @@ def _all_specs(config: ModelConfig):
     for layer, kind in enumerate(layer_kinds(config)):
         for spec in layer_specs(config, kind):
             yield f"layers.{layer}.{spec.name}", spec
+    for depth in range(mtp_depths(config)):   # DeepSeek-V4 checkpoints carry their MTP blocks
+        for spec in mtp_specs(config):
+            yield f"mtp.{depth}.{spec.name}", spec
 
 
 def _engram_tables(rng: np.random.Generator, config: ModelConfig, sparse: bool) -> tuple[dict, dict]:

@@ -1,5 +1,7 @@
-"""Training a DeepSeek-V4 with jdeep's own forward: the next-token loss of `model_step` (float numerics, one chunk
-from an empty state, logits at every position), its gradient, and an optax update of the float parameters.
+"""Training a DeepSeek-V4 with jdeep's own forward (model_step in float numerics, one chunk from an empty state,
+logits at every position): the next-token loss, DeepSeek's joint objectives — the MTP blocks' next-next-token loss
+(model/mtp.py) and the lightning indexer's KL to the main attention (layers/index_loss.py) — their gradient, and an
+optax update of the float parameters.
 
 The integer leaves (hash-routing tables) and the top-k gate biases are not trained by the gradient: the tables
 are fixed, and the routing bias only moves the selection, so no gradient reaches it (DeepSeek adjusts it with
@@ -15,12 +17,15 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
+from ..model.mtp import empty_mtp_state, mtp_step
 from ..model.scan import model_step
 from ..numerics import Numerics
 from ..plan import LayerPlan
 from ..state import empty_state
 
-__all__ = ["split_trainable", "merge", "lm_loss", "make_train_step"]
+__all__ = ["split_trainable", "merge", "lm_loss", "train_losses", "make_train_step", "MTP_WEIGHT"]
+
+MTP_WEIGHT = 0.3   # DeepSeek-V3's MTP loss weight for the first 10T tokens (λ, technical report §2.2)
 
 
 def _trainable(path, leaf) -> bool:
@@ -41,6 +46,46 @@ def merge(train: dict, fixed: dict) -> dict:
     return jax.tree_util.tree_map(lambda a, b: b if a is None else a, train, fixed, is_leaf=lambda x: x is None)
 
 
+def _nll(logits: jax.Array, targets: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """Mean cross-entropy (nats) of logits [B, S, V] for targets int32 [B, S] where mask bool [B, S] (None: all)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    if mask is None:
+        return jnp.mean(nll)
+    return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def train_losses(params: dict, tokens: jax.Array, mask: jax.Array | None = None, *, config: ModelConfig,
+                 plan: LayerPlan) -> dict[str, jax.Array]:
+    """The training objectives of tokens int32 [B, T] (every row a sequence from position 0; mask bool [B, T-1]:
+    the next-token targets tokens[:, 1:] that count), through model_step in float numerics:
+
+    "lm": the mean next-token cross-entropy (nats); "index_kl": the mean KL from the main attention to the indexer
+    per query and indexer layer (0 without indexer layers); with the plan's MTP blocks, "mtp": the mean over depths
+    k of the cross-entropy of token t+k+2 from MTP block k (its input: the backbone's streams at t, the embedding
+    of token t+k+1)."""
+    B, T = tokens.shape
+    numerics = Numerics()
+    state = empty_state(config, plan, B, T, jnp.float32, numerics)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    logits, _, aux = model_step(params, state, tokens, positions, config=config, plan=plan, numerics=numerics,
+                                all_logits=True, training=True)
+    out = {"lm": _nll(logits[:, :-1], tokens[:, 1:], mask),
+           "index_kl": aux["index_kl"][0] / jnp.maximum(aux["index_kl"][1], 1.0)}
+    if plan.mtp is not None:
+        hidden, mtp_state, losses = aux["hidden"], empty_mtp_state(config, plan, B, T, jnp.float32, numerics), []
+        for k in range(plan.mtp.reps):
+            shift = k + 1   # block k reads token t+k+1 and predicts token t+k+2
+            next_tokens = jnp.pad(tokens[:, shift:], ((0, 0), (0, shift)))
+            pos = jnp.where(positions < T - shift, positions, -1)
+            mtp_logits, hidden, mtp_state = mtp_step(params, mtp_state, hidden, next_tokens, pos, config=config,
+                                                     plan=plan, numerics=numerics, depth=k)
+            losses.append(_nll(mtp_logits[:, :T - shift - 1], tokens[:, shift + 1:],
+                               None if mask is None else mask[:, shift:]))
+        out["mtp"] = sum(losses) / len(losses)
+    return out
+
+
 def lm_loss(params: dict, tokens: jax.Array, mask: jax.Array | None = None, *, config: ModelConfig,
             plan: LayerPlan) -> jax.Array:
     """Mean next-token cross-entropy (nats) of tokens int32 [B, T] (mask bool [B, T-1]: the targets that count),
@@ -50,24 +95,29 @@ def lm_loss(params: dict, tokens: jax.Array, mask: jax.Array | None = None, *, c
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     logits, _ = model_step(params, state, tokens, positions, config=config, plan=plan, numerics=Numerics(),
                            all_logits=True)
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-    if mask is None:
-        return jnp.mean(nll)
-    return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+    return _nll(logits[:, :-1], tokens[:, 1:], mask)
 
 
-def make_train_step(config: ModelConfig, plan: LayerPlan, optimizer: Any) -> Callable:
-    """step(train, fixed, opt_state, tokens [B, T], mask [B, T-1]) -> (train, opt_state, loss), jitted; `optimizer`
-    an optax GradientTransformation over the `train` half of split_trainable."""
+def make_train_step(config: ModelConfig, plan: LayerPlan, optimizer: Any, mtp_weight: float = MTP_WEIGHT,
+                    index_weight: float = 1.0) -> Callable:
+    """step(train, fixed, opt_state, tokens [B, T], mask [B, T-1]) -> (train, opt_state, losses), jitted, on
+    lm + mtp_weight · mtp + index_weight · index_kl (train_losses; losses: that dict plus "total"). The indexer's
+    parameters learn only from index_kl and the rest only from lm and mtp (the indexer's inputs and its target are
+    detached), so index_weight only scales the indexer's step. `optimizer` an optax GradientTransformation over
+    the `train` half of split_trainable. The step donates `train` and `opt_state` (copy leaves still in use
+    elsewhere, such as a loaded model's params)."""
     def loss_fn(train, fixed, tokens, mask):
-        return lm_loss(merge(train, fixed), tokens, mask, config=config, plan=plan)
+        losses = train_losses(merge(train, fixed), tokens, mask, config=config, plan=plan)
+        total = losses["lm"] + index_weight * losses["index_kl"]
+        if "mtp" in losses:
+            total = total + mtp_weight * losses["mtp"]
+        return total, {**losses, "total": total}
 
     @functools.partial(jax.jit, donate_argnums=(0, 2))
     def step(train, fixed, opt_state, tokens, mask):
-        loss, grads = jax.value_and_grad(loss_fn)(train, fixed, tokens, mask)
+        (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(train, fixed, tokens, mask)
         updates, opt_state = optimizer.update(grads, opt_state, train)
         train = jax.tree_util.tree_map(lambda p, u: p + u.astype(p.dtype), train, updates)
-        return train, opt_state, loss
+        return train, opt_state, losses
 
     return step

@@ -13,10 +13,12 @@ from jdeep.io.writer import float_config, named_tensors, quantize_weight, write_
 from jdeep.param_spec import FP4, FP4_BLOCK, FP8, FP8_DEQUANT, TensorSpec, expected_tensors
 from jdeep.plan import build_plan
 from jdeep.presets import TINY_CONFIG
+from jdeep.tools.mtp_eval import window_logits
 from jdeep.tools.random_weights import random_checkpoint
 
 QCFG = dict(TINY_CONFIG, head_dim=128, qk_rope_head_dim=64, index_head_dim=64, num_hidden_layers=2,
             layer_types=["compressed_sparse_attention", "heavily_compressed_attention"], num_hash_layers=1,
+            num_nextn_predict_layers=1,
             quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                  "weight_block_size": [32, 32], "expert_dtype": "fp4"})
 PROMPT = [0, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]
@@ -52,7 +54,7 @@ def _dequantized(q: dict, spec: TensorSpec) -> np.ndarray:
 def float_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("f")
     random_checkpoint(float_config(jdeep.ModelConfig.from_dict(QCFG)).to_dict(), str(folder), seed=5)
-    return folder, jdeep.load(folder)
+    return folder, jdeep.load(folder, mtp=True)
 
 
 def test_float_tree_maps_back_to_the_checkpoint_tensors(float_model):
@@ -70,7 +72,7 @@ def test_quantized_checkpoint_loads_to_the_logits_of_the_quantized_weights(float
     qconfig = write_checkpoint(tmp_path / "q", QCFG, named)
     reference = dict(named)                       # the float weights after DeepSeek's quantisation, decoded
     n_quantized = 0
-    for name, spec, _ in expected_tensors(qconfig, build_plan(qconfig)):
+    for name, spec, _ in expected_tensors(qconfig, build_plan(qconfig, mtp=True)):
         if spec.fmt in (FP8, FP8_DEQUANT, FP4):
             full = TensorSpec(name, spec.path, spec.shape, spec.kind, spec.expert, spec.fmt, spec.block)
             reference[name] = _dequantized(quantize_weight(named[name], full), full).astype(np.float32)
@@ -78,12 +80,16 @@ def test_quantized_checkpoint_loads_to_the_logits_of_the_quantized_weights(float
     assert n_quantized > 10
     raw_float = float_config(qconfig).to_dict()
     write_checkpoint(tmp_path / "ref", raw_float, reference)
-    q = jdeep.load(tmp_path / "q", quantize_activations=False)
-    ref = jdeep.load(tmp_path / "ref")
+    q = jdeep.load(tmp_path / "q", quantize_activations=False, mtp=True)
+    ref = jdeep.load(tmp_path / "ref", mtp=True)
     np.testing.assert_allclose(jdeep.forward(q, PROMPT), jdeep.forward(ref, PROMPT), rtol=0, atol=2e-5)
+    for a, b in zip(window_logits(q, np.asarray(PROMPT)), window_logits(ref, np.asarray(PROMPT))):  # and MTP's
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
     # and DeepSeek's numerics run on the written checkpoint
     assert np.isfinite(jdeep.forward(jdeep.load(tmp_path / "q"), PROMPT)).all()
     written = CheckpointReader(str(tmp_path / "q"))
     assert written.entry("layers.0.ffn.experts.0.w1.weight").dtype == "I8"            # packed fp4
     assert written.entry("layers.0.attn.wq_a.weight").dtype == "F8_E4M3"
     assert written.entry("layers.0.attn.wq_a.scale").dtype == "F8_E8M0"
+    assert written.entry("mtp.0.e_proj.weight").dtype == "F8_E4M3" and written.entry("mtp.0.enorm.weight").dtype == "F32"
+    assert written.entry("mtp.0.ffn.experts.0.w2.weight").dtype == "I8"

@@ -378,7 +378,7 @@ def test_index_select():
             n = plans[b][i]
             x[b, :n], ql[b, :n] = xs[b][done[b]:done[b] + n], qs[b][done[b]:done[b] + n]
             pos[b, :n] = np.arange(done[b], done[b] + n)
-        idx, sel, st = step(jnp.asarray(x), jnp.asarray(ql), st, jnp.asarray(pos))
+        idx, sel, st, _ = step(jnp.asarray(x), jnp.asarray(ql), st, jnp.asarray(pos))
         idx, sel = np.asarray(idx), np.asarray(sel)
         assert idx.shape == sel.shape == (B, S, min(topk, tc + 1))
         for b in range(B):

@@ -104,13 +104,15 @@ def test_bad_texts_are_refused_by_name(models, tmp_path):
 def test_eval_command_gives_a_row_per_numerics_mode(tmp_path, capsys):
     cfg = dict(TINY_CONFIG, head_dim=128, qk_rope_head_dim=64, index_head_dim=64, num_hidden_layers=2,
                layer_types=["compressed_sparse_attention", "heavily_compressed_attention"], num_hash_layers=1,
+               num_nextn_predict_layers=1,
                quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                     "weight_block_size": [32, 32], "expert_dtype": "fp4"})
     random_checkpoint(cfg, str(tmp_path / "q"), seed=3)
     write_word_tokenizer(str(tmp_path / "q" / "tokenizer.json"), 512)
     (tmp_path / "a.txt").write_text(" ".join(f"tok{i}" for i in IDS[1:30]))
     rc = main(["eval", "--model", str(tmp_path / "q"), "--text-file", str(tmp_path / "a.txt"), "--base-numerics",
-               "float", "--context", "16", "--prefill-chunk", "16", "--no-progress", "--json", str(tmp_path / "r.json")])
+               "float", "--context", "16", "--prefill-chunk", "16", "--no-progress", "--json", str(tmp_path / "r.json"),
+               "--mtp"])
     assert rc == 0
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["schema"] == "jdeep.eval/1" and list(r["modes"]) == ["float", "deepseek", "packed-kv", "trn2-240",
@@ -119,6 +121,10 @@ def test_eval_command_gives_a_row_per_numerics_mode(tmp_path, capsys):
     assert r["modes"]["deepseek"]["kl_mean"] > 0
     # packed KV records reproduce DeepSeek's KV QAT exactly
     assert r["modes"]["packed-kv"]["ppl"] == pytest.approx(r["modes"]["deepseek"]["ppl"], rel=1e-6)
+    # the MTP block's accuracy per mode: windows [0, 16) and [16, 30) of BOS + 29 tokens give 14 + 12 positions
+    assert list(r["mtp"]) == list(r["modes"]) and all(m["positions"] == 26 for m in r["mtp"].values())
+    assert all(0 <= m[k] <= 1 for m in r["mtp"].values() for k in ("mtp_top1", "agreement", "main_top1"))
+    assert r["mtp"]["packed-kv"] == r["mtp"]["deepseek"]
     out = capsys.readouterr().out
-    assert all(name in out for name in r["modes"]) and "KL mean" in out
+    assert all(name in out for name in r["modes"]) and "KL mean" in out and "MTP top-1" in out
     assert main(["eval", "--model", str(tmp_path / "q"), "--text-file", str(tmp_path / "missing.txt")]) == 2
