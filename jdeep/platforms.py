@@ -14,6 +14,7 @@ libneuronxla reads when it compiles.
 from __future__ import annotations
 
 import os
+import platform as _platform
 from dataclasses import dataclass
 from typing import MutableMapping
 
@@ -22,7 +23,7 @@ import jax
 from .kernels.codecs import E4M3_TRN2_MAX, E4M3FN_MAX
 
 __all__ = ["Platform", "current", "platform_for", "neuron_generation", "neuron_cc_flags", "configure_neuron",
-           "compile_mode", "COMPILE_MODES"]
+           "compile_mode", "COMPILE_MODES", "cache_xla_flags"]
 
 COMPILE_MODES = ("scan", "regions")
 
@@ -30,6 +31,13 @@ COMPILE_MODES = ("scan", "regions")
 # jdeep keeps fp8 codes as uint8 (graphcheck S13), so this is a guard for NKI kernels and user code; it must
 # not be passed on trn3, where it clashes with kernels that emit OCP fp8 (NCC_EOCP001).
 FP8_REINTERPRET_FLAG = "--internal-hlo2tensorizer-options=--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
+
+# XLA:CPU (jaxlib <= 0.10) appends the LLVM tuning attributes +prefer-no-gather/+prefer-no-scatter to the target
+# features of every program it compiles for an AVX-512 host; its AOT loader then takes them for ISA features the
+# host lacks and logs an ERROR for each program read back from the persistent cache (openxla/xla#44565,
+# jax-ml/jax#38445). Capping XLA's own code generation at AVX2 leaves only real ISA features in the record, so the
+# check passes on the machine that compiled it and still fires for a cache copied from a wider machine.
+CACHE_MAX_ISA_FLAG = "--xla_cpu_max_isa=AVX2"
 
 
 @dataclass(frozen=True)
@@ -115,3 +123,14 @@ def compile_mode(requested: str | None, platform: Platform) -> str:
         source = "compile_mode" if requested else "JDEEP_COMPILE_MODE"
         raise ValueError(f"{source} must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     return mode
+
+
+def cache_xla_flags(existing: str, machine: str | None = None) -> str:
+    """XLA_FLAGS for a process that keeps XLA:CPU programs in the persistent compilation cache: on x86-64, the user's
+    flags plus CACHE_MAX_ISA_FLAG (unless they set --xla_cpu_max_isa themselves); elsewhere unchanged. Takes effect
+    only if set before JAX initialises its backends."""
+    flags = existing.split()
+    if ((machine or _platform.machine()).lower() not in ("x86_64", "amd64")
+            or any(f.startswith("--xla_cpu_max_isa") for f in flags)):
+        return existing
+    return " ".join(flags + [CACHE_MAX_ISA_FLAG])

@@ -60,7 +60,9 @@ def main() -> int:
         print(f"warmup: {n} programs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         reqs = make_requests(args.num_requests, model.config.vocab_size, args.seed, max_prompt=args.max_prompt,
                              max_tokens=args.max_tokens, n_disconnect=args.disconnect)
-        with background_server(engine, ServerSettings(args.served_model_name)) as (url, _):
+        # a latency test: every request waits for a slot rather than getting 429 (jdeep serve's --max-waiting)
+        settings = ServerSettings(args.served_model_name, max_waiting=args.num_requests)
+        with background_server(engine, settings) as (url, _):
             t0 = time.perf_counter()
             results = asyncio.run(run_load(url, args.served_model_name, reqs))
             stats = summarize(results, time.perf_counter() - t0)

@@ -8,6 +8,8 @@ import os
 import sys
 
 from ..presets import PRESET_NAMES
+from ..tools.bench import PREFILL_CHUNK
+from ..tools.programs import SERVING_BATCH_SIZES, SERVING_PREFILL_LEN, SERVING_PREFILL_TOKENS
 from .args import (BARE, RUNTIME, add_graph_args, add_load_args, add_process_args, add_sampling_args, init_distributed,
                    setup_compile_cache)
 from .commands import (cmd_bench, cmd_chat, cmd_check_graph, cmd_convert, cmd_demo, cmd_eval, cmd_export, cmd_generate,
@@ -73,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compile every batch-size and prefill-length bucket before serving (default on: no compile "
                          "pauses under traffic)")
     sv.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    sv.add_argument("--max-waiting", type=int,
+                    help="requests that may wait for a slot; beyond them new requests get 429 with Retry-After "
+                         "(default 4 x the engine's slots)")
+    sv.add_argument("--request-timeout", type=float,
+                    help="seconds a request may take from arrival; then it is cancelled (504, or an error event when "
+                         "streaming) and its slot freed (default: no limit)")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="on SIGINT/SIGTERM, seconds requests in flight may take to finish before they are cancelled")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -88,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--input-len", type=int, default=512)
     b.add_argument("--output-len", type=int, default=32)
     b.add_argument("--batch-size", default="1,8", help="comma-separated batch sizes (a sweep)")
+    b.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                   help=f"prompt tokens per prefill step, as the engine chunks prompts (default {PREFILL_CHUNK}, the "
+                        "engine's)")
+    b.add_argument("--context-sweep", help="comma-separated context lengths, e.g. 512,4096,16384,65536: instead of the "
+                                           "batch-size sweep, inter-token latency and decode-state bytes against the "
+                                           "context at batch 1 (each context prefilled in chunks, then --output-len "
+                                           "decode steps timed at its end)")
     b.add_argument("--prompts-file", help="JSONL with prompt_ids per line instead of random prompts")
     b.add_argument("--seed", type=int, default=0)
     add_load_args(b, "dtype", dtype={"default": None, "help": "default: float32 on CPU (XLA:CPU emulates bfloat16 "
@@ -140,9 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_convert)
 
     cg = sub.add_parser("check-graph", help="lower every program jdeep compiles for a model and check it against the "
-                                            "Neuron compile-safety rules (jdeep/graphcheck)")
+                                            "Neuron compile-safety rules (jdeep/graphcheck)",
+                        description="Lower every program serving compiles (no weights are read) and check each "
+                                    "against the Neuron compile-safety rules: for every --batch-sizes bucket, a "
+                                    "prefill program per chunk-length bucket up to --prefill-len (16, 32, ..., "
+                                    "powers of two, as the engine's warmup) and the decode program. Defaults: the "
+                                    "largest serving configuration, batches 1..256 and chunks up to 8192 on a state "
+                                    "of 8192 tokens, prefill steps of at most --max-prefill-tokens (minutes per "
+                                    "model and mode; narrow with the flags).")
     add_graph_args(cg)
+    cg.set_defaults(batch_sizes=",".join(map(str, SERVING_BATCH_SIZES)), prefill_len=SERVING_PREFILL_LEN,
+                    max_len=SERVING_PREFILL_LEN)
     cg.add_argument("--max-args", type=int, default=128, help="bound on a program's flattened arguments (S19)")
+    cg.add_argument("--max-prefill-tokens", type=int, default=SERVING_PREFILL_TOKENS,
+                    help="the token budget of one prefill step (batch x chunk); larger prefill programs are not "
+                         f"checked (default {SERVING_PREFILL_TOKENS})")
     cg.add_argument("--verbose", "-v", action="store_true", help="print every program's report")
     cg.set_defaults(fn=cmd_check_graph)
 

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from ..io.tokenizer import Tokenizer
+from ..platforms import cache_xla_flags
 from ..presets import PRESET_NAMES
 from ..runtime.sampling import SamplingParams
 
@@ -139,12 +140,15 @@ def folder_tokenizer(folder: str) -> Tokenizer | None:
 # ---------------------------------------------------------------------- commands
 
 def setup_compile_cache(args: argparse.Namespace) -> None:
-    """Persistent JAX compilation cache (on by default): compiled programs survive across runs."""
+    """Persistent JAX compilation cache (on by default): compiled programs survive across runs. Call before JAX
+    initialises its backends: XLA:CPU then compiles with target features its cache loader accepts back without an
+    ERROR line per program (jdeep.platforms.cache_xla_flags)."""
     if getattr(args, "no_compile_cache", True) or os.environ.get("JDEEP_NO_COMPILE_CACHE"):
         return
     path = args.compile_cache or os.environ.get("JDEEP_COMPILE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jdeep", "jax")
     os.makedirs(path, exist_ok=True)
+    os.environ["XLA_FLAGS"] = cache_xla_flags(os.environ.get("XLA_FLAGS", ""))
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 

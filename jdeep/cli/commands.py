@@ -24,14 +24,14 @@ from ..runtime.engine import Engine
 from ..runtime.sampling import SamplingParams
 from ..serve.server import ServerSettings, serve
 from ..sharding import parse_mesh
-from ..tools.bench import format_report, plot_sweep, run_bench
+from ..tools.bench import format_report, plot_sweep, run_bench, run_context_sweep
 from ..tools.compare import hf_config, require_transformers  # imports torch only when called
 from ..tools.evaluate import NUMERICS_MODES, compare, format_table, load_modes, read_texts
 from ..tools.export import export_programs, model_info
-from ..tools.mtp_eval import format_mtp_table, mtp_accuracy
 from ..tools.graphcheck import Limits, check_lowered
 from ..tools.info import device_footprint, mesh_summary, summary
-from ..tools.programs import Target, model_programs
+from ..tools.mtp_eval import format_mtp_table, mtp_accuracy
+from ..tools.programs import Target, chunk_buckets, model_programs
 from ..tools.random_weights import random_checkpoint
 from .args import batch_sizes, folder_tokenizer, load_kwargs, np_dtype, parse_ints, sampling_params
 
@@ -196,6 +196,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "serving is not supported yet")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
+    if args.max_waiting is not None and args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
     if not os.path.isdir(args.model):
         raise FileNotFoundError(f"--model {args.model} is not a folder")
     model = load(args.model, **load_kwargs(args, progress=True))
@@ -212,8 +216,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"jdeep serve: {name} on http://{args.host}:{args.port}/v1 ({engine.n_slots} slots, max_len {args.max_len}"
           f"{', API key required' if args.api_key else ''}{'' if tokenizer else ', no tokenizer: token-id prompts only'})",
           file=sys.stderr, flush=True)
-    serve(engine, ServerSettings(name, args.api_key, args.max_body_bytes, created), host=args.host, port=args.port,
-          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+    settings = ServerSettings(name, args.api_key, args.max_body_bytes, created, max_waiting=args.max_waiting,
+                              request_timeout=args.request_timeout)
+    serve(engine, settings, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+          log_level=args.log_level)
     return 0
 
 
@@ -227,6 +233,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sizes = [int(b) for b in args.batch_size.split(",") if b]
     except ValueError:
         raise SystemExit(f"jdeep bench: --batch-size must be comma-separated integers, got {args.batch_size!r}") from None
+    contexts = parse_ints(args.context_sweep, "--context-sweep") if args.context_sweep else None
+    if contexts is not None and (args.compare or args.prompts_file):
+        raise SystemExit("jdeep bench: --context-sweep runs random prompts at batch 1; it takes neither --compare nor "
+                         "--prompts-file")
     if args.dtype is None:
         args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     with tempfile.TemporaryDirectory() as tmp:
@@ -245,8 +255,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.prompts_file:
             with open(args.prompts_file, encoding="utf-8") as f:
                 prompts = [json.loads(ln)["prompt_ids"] for ln in f if ln.strip()]
-        result = run_bench(model, args.input_len, args.output_len, sizes, seed=args.seed, prompts=prompts,
-                           compare_transformers=folder if args.compare else None)
+        if contexts is not None:
+            result = run_context_sweep(model, contexts, args.output_len, seed=args.seed,
+                                       prefill_chunk=args.prefill_chunk, progress=_sweep_progress)
+        else:
+            result = run_bench(model, args.input_len, args.output_len, sizes, seed=args.seed, prompts=prompts,
+                               compare_transformers=folder if args.compare else None,
+                               prefill_chunk=args.prefill_chunk)
     print(format_report(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -257,6 +272,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ImportError:
             raise SystemExit("jdeep bench: --plot needs matplotlib (pip install matplotlib)") from None
     return 0
+
+
+def _sweep_progress(r: dict) -> None:
+    print(f"context {r['context']}: prefill {r['prefill_s']:.1f} s ({r['prefill_tok_s']:.0f} tok/s), inter-token "
+          f"{r['itl_ms']['p50']:.1f} ms, state {r['state_bytes'] / 2**20:.1f} MiB", file=sys.stderr, flush=True)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -347,10 +367,12 @@ def _graph_target(args: argparse.Namespace) -> Target:
 
 
 def cmd_check_graph(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
     target = _graph_target(args)
     limits = Limits(max_args=args.max_args)
     failed = 0
-    programs = model_programs(target, batch_sizes(args.batch_sizes), args.prefill_len, args.max_len)
+    programs = model_programs(target, batch_sizes(args.batch_sizes), chunk_buckets(args.prefill_len), args.max_len,
+                              max_prefill_tokens=args.max_prefill_tokens)
     for prog in programs:
         report = check_lowered(prog.lower(), name=prog.name, n_experts=target.config.n_routed_experts,
                                decode=prog.bucket["step"] == "decode", limits=limits)
@@ -360,7 +382,7 @@ def cmd_check_graph(args: argparse.Namespace) -> int:
         else:
             print(f"ok    {prog.name}  ({report.stats.get('n_args')} args, {report.stats.get('n_ops')} ops)")
     print(f"{len(programs) - failed}/{len(programs)} programs pass the compile-safety rules "
-          f"({args.mode} mode, {args.dtype}, fp8 max {args.fp8_max:g})")
+          f"({args.mode} mode, {args.dtype}, fp8 max {args.fp8_max:g}; {time.perf_counter() - t0:.0f} s)")
     return 1 if failed else 0
 
 

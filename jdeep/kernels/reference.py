@@ -188,9 +188,10 @@ def expert_down(a: jax.Array, W2: jax.Array) -> jax.Array:
 
 
 class ExpertGroups(NamedTuple):
-    """The (token, slot) rows of a routing sorted by expert, each expert's group padded to whole tiles.
-    order [N]: sorted row -> flat (token, slot) row; dest [N]: sorted row -> padded slot; src [n_tiles·tile]:
-    padded slot -> flat row (N for a padding slot); tile_expert int32 [n_tiles]: the one expert of each tile."""
+    """The (token, slot) rows of a routing grouped by expert, each expert's group padded to whole tiles.
+    order [N]: row -> flat (token, slot) row (the sort's permutation; arange for `expert_groups_nosort`);
+    dest [N]: row -> padded slot; src [n_tiles·tile]: padded slot -> row (N for a padding slot);
+    tile_expert int32 [n_tiles]: the one expert of each tile."""
     tile: int
     n_tiles: int
     order: jax.Array
@@ -199,14 +200,22 @@ class ExpertGroups(NamedTuple):
     tile_expert: jax.Array
 
 
-def expert_groups(idx: jax.Array, n_experts: int) -> ExpertGroups:
-    """Group the T·k rows of idx [T, k] by expert in tiles of 8..128 rows (about twice the mean group), with a
-    static tile count enough for any routing (T·k/tile + E). Ids outside [0, E) count as expert E-1 (S12)."""
-    T, k = idx.shape
-    N, E = T * k, n_experts
+def _tiling(N: int, E: int) -> tuple[int, int]:
+    """(tile, n_tiles) for N rows over E experts: tiles of 8..128 rows (about twice the mean group), a static count
+    enough for any routing (N/tile + E). Never exactly E tiles (at N == E it would be): one more, all padding, so
+    the tile loop's trip is not the expert count (S5's "loop over experts" lint)."""
     tile = int(min(128, max(8, 1 << max(0, N // E - 1).bit_length())))
     n_tiles = -(-(N + E * (tile - 1)) // tile)
-    flat = idx.reshape(-1)
+    return tile, n_tiles + (n_tiles == E)
+
+
+def expert_groups(idx: jax.Array, n_experts: int) -> ExpertGroups:
+    """Group the T·k rows of idx [T, k] by expert in tiles of 8..128 rows (about twice the mean group), with a
+    static tile count enough for any routing (`_tiling`). Ids outside [0, E) are clamped into it (S12)."""
+    T, k = idx.shape
+    N, E = T * k, n_experts
+    tile, n_tiles = _tiling(N, E)
+    flat = jnp.clip(idx.reshape(-1), 0, E - 1)
     order = jnp.argsort(flat, stable=True)                               # sorted row -> (token, slot) row
     expert_of = jnp.clip(flat[order], 0, E - 1)                          # [N], ascending (clamped: S12)
     sizes = jnp.sum(jax.nn.one_hot(flat, E, dtype=jnp.int32), axis=0)    # [E]
@@ -218,6 +227,34 @@ def expert_groups(idx: jax.Array, n_experts: int) -> ExpertGroups:
     src = jnp.full((n_tiles * tile,), N, jnp.int32).at[dest].set(jnp.arange(N, dtype=jnp.int32))
     tile_expert = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(n_tiles) * tile)[:, None], axis=1), E - 1)
     return ExpertGroups(tile, n_tiles, order, dest, src, tile_expert)
+
+
+def expert_groups_nosort(idx: jax.Array, n_experts: int) -> ExpertGroups:
+    """`expert_groups` without a sort (decode programs: neuron-notes S6), the same padded layout for ids in [0, E).
+
+    A (token, slot) row's rank inside its expert is the count of earlier rows routed to the same expert (an
+    int32 sum over a bool [T·k, T·k] compare: exact, one fused op; 1536² at batch 256, top-6); its padded slot is
+    its expert's group start (exclusive cumsum of the per-expert counts, padded to tiles) plus its rank. The stable
+    sort of `expert_groups` puts every row at that same slot (rows of one expert keep their (token, slot) order),
+    so tiles, their rows and their experts are identical. Rows stay in (token, slot) order: order = arange(T·k),
+    src maps a padded slot to a (token, slot) row. Ids outside [0, E) are clamped into it (S12). idx int32 [T, k].
+    (A cumsum over a one-hot [T·k, E] gives the same ranks, but XLA lowers it to a reduce_window: (T·k)²·E adds.)"""
+    T, k = idx.shape
+    N, E = T * k, n_experts
+    tile, n_tiles = _tiling(N, E)
+    flat = jnp.clip(idx.reshape(-1), 0, E - 1)
+    row = jnp.arange(N, dtype=jnp.int32)
+    earlier = (flat[None, :] == flat[:, None]) & (row[None, :] < row[:, None])    # bool [N, N]
+    rank = jnp.sum(earlier, axis=1, dtype=jnp.int32)                              # [N]
+    hot = flat[:, None] == jnp.arange(E, dtype=jnp.int32)[None, :]                # bool [N, E]
+    sizes = jnp.sum(hot, axis=0, dtype=jnp.int32)                                 # [E]
+    padded = (sizes + tile - 1) // tile * tile
+    ends = jnp.cumsum(padded)
+    dest = jnp.sum(jnp.where(hot, (ends - padded)[None, :], 0), axis=1) + rank    # [N] padded slot
+    dest = jnp.clip(dest, 0, n_tiles * tile - 1)
+    src = jnp.full((n_tiles * tile,), N, jnp.int32).at[dest].set(row)
+    tile_expert = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(n_tiles) * tile)[:, None], axis=1), E - 1)
+    return ExpertGroups(tile, n_tiles, row, dest, src, tile_expert)
 
 
 def group_rows(xa: jax.Array, weight: jax.Array, g: ExpertGroups) -> tuple[jax.Array, jax.Array]:
@@ -285,6 +322,14 @@ def moe_experts_grouped(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2,
     q = isinstance(w1, dict)
     g = expert_groups(idx, stacked_experts(w1))
     rows, wts = group_rows(_act(x, numerics, q), weight, g)
+    y = _grouped_tiles(rows, wts, g, x.dtype, w1, w2, w3, layer, limit, numerics, q)
+    return ungroup_rows(y, g, T, k)
+
+
+def _grouped_tiles(rows: jax.Array, wts: jax.Array, g: ExpertGroups, x_dtype, w1, w2, w3, layer: jax.Array,
+                   limit: float, numerics, q: bool) -> jax.Array:
+    """The tile scan of the grouped kernels: rows [n_tiles·tile, d] (act-quantised), wts [n_tiles·tile] ->
+    fp32 [n_tiles·tile, d]; each tile's expert g.tile_expert sliced out of the [R, E, ...] stacks at `layer`."""
     rows = rows.reshape(g.n_tiles, g.tile, -1)
     wts = wts.reshape(g.n_tiles, g.tile)
 
@@ -294,12 +339,36 @@ def moe_experts_grouped(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2,
         def pick(a):
             return _expert(a, layer, e)
 
-        W1, W3, W2 = (_weights(w, pick, numerics, x.dtype) for w in (w1, w3, w2))   # [I, d], [I, d], [d, I]
-        a = _act(expert_gate_up(xt, W1, W3, limit, wt[:, None]).astype(x.dtype), numerics, q)
+        W1, W3, W2 = (_weights(w, pick, numerics, x_dtype) for w in (w1, w3, w2))   # [I, d], [I, d], [d, I]
+        a = _act(expert_gate_up(xt, W1, W3, limit, wt[:, None]).astype(x_dtype), numerics, q)
         return None, expert_down(a, W2)
 
     _, y = jax.lax.scan(one_tile, None, (rows, wts, g.tile_expert))      # [n_tiles, tile, d] fp32
-    return ungroup_rows(y.reshape(g.n_tiles * g.tile, -1), g, T, k)
+    return y.reshape(g.n_tiles * g.tile, -1)
+
+
+@register("moe_experts_grouped_nosort")
+def moe_experts_grouped_nosort(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w3, layer: jax.Array,
+                               limit: float, numerics=None) -> jax.Array:
+    """`moe_experts_grouped` without a sort, for decode programs at any T·k (neuron-notes S6: no sort in decode).
+
+    Same contract as `moe_experts_gather` (x [T, d], idx int32 [T, k], weight fp32 [T, k], stacks [R, E, ...]
+    -> fp32 [T, d]). The rows are laid out by `expert_groups_nosort` (ranks from a one-hot cumsum), which is
+    `expert_groups`' padded layout, then the same tile scan: for ids in [0, E) the result equals
+    `moe_experts_grouped` bit for bit, and no (token, expert) pair is dropped whatever the routing. The
+    ranks cost a [T·k, T·k] compare (1536² at batch 256, top-6), so it suits decode sizes; prefill sorts.
+    """
+    T, k = idx.shape
+    q = isinstance(w1, dict)
+    g = expert_groups_nosort(idx, stacked_experts(w1))
+
+    def pad(a):                                                          # row N: the padding row (zeros)
+        return jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)])
+
+    rows = pad(jnp.repeat(_act(x, numerics, q), k, axis=0))[g.src]                  # [n_tiles·tile, d]
+    wts = pad(weight.reshape(-1))[g.src]
+    y = _grouped_tiles(rows, wts, g, x.dtype, w1, w2, w3, layer, limit, numerics, q)
+    return jnp.sum(y[g.dest].reshape(T, k, -1), axis=1)
 
 
 @register("moe_experts_dense")

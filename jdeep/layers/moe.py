@@ -49,6 +49,7 @@ def moe(p: dict, experts: dict, layer: jax.Array, x: jax.Array, tokens: jax.Arra
     p: this layer's gate ("gate" weight [E, d], "bias" [E] or "tid2eid" [V, k]) and shared expert;
     experts: w1, w2, w3 of all layers of this kind ([R, E, ...]), indexed by `layer`.
     layout (sharding.Layout): under expert parallelism the MoE runs in `shard_map` (`moe_expert_parallel`).
+    A step with S == 1 (decode) runs a sort-free routed-expert op (`_routed_op`).
     """
     if layout is not None and layout.expert_parallel:
         return moe_expert_parallel(p, experts, layer, x, tokens, config=config, numerics=numerics,
@@ -56,26 +57,32 @@ def moe(p: dict, experts: dict, layer: jax.Array, x: jax.Array, tokens: jax.Arra
     B, S, d = x.shape
     xt = x.reshape(B * S, d)
     idx, w = route(xt, tokens.reshape(-1), p["gate"], config=config, hash_moe=hash_moe)
-    routed = kernels.get(_routed_op(config, B * S))(xt, idx, w, experts["w1"], experts["w2"], experts["w3"], layer,
-                                                    config.swiglu_limit, numerics)
+    op = kernels.get(_routed_op(config, B * S, decode=S == 1))
+    routed = op(xt, idx, w, experts["w1"], experts["w2"], experts["w3"], layer, config.swiglu_limit, numerics)
     sh = p["shared_experts"]
     shared = kernels.get("shared_expert")(xt, sh["w1"], sh["w2"], sh["w3"], config.swiglu_limit, numerics)
     return (routed + shared).astype(x.dtype).reshape(B, S, d)
 
 
-def _routed_op(config: ModelConfig, n_tokens: int) -> str:
-    """Per-pair slices for few (token, expert) pairs (decode), the tiled grouped matmul for many (prefill)."""
-    return "moe_experts_gather" if n_tokens * config.n_activated_experts <= config.n_routed_experts \
-        else "moe_experts_grouped"
+def _routed_op(config: ModelConfig, n_tokens: int, decode: bool = False) -> str:
+    """The routed-expert op for n_tokens tokens: per-pair slices while the (token, expert) pairs are fewer than
+    the experts (T*k < E; at T*k == E the pair loop's trip would be the expert count, S5), else the tiled grouped
+    matmul; in a decode program its sort-free twin (neuron-notes S6: no sort in decode), whose result is the
+    same. `decode`: the step feeds one token per sequence (the caller's S == 1: what the decode programs are,
+    `tools.programs`); prefill chunks (S > 1) may sort."""
+    if n_tokens * config.n_activated_experts < config.n_routed_experts:
+        return "moe_experts_gather"
+    return "moe_experts_grouped_nosort" if decode else "moe_experts_grouped"
 
 
-def _local_routed_op(config: ModelConfig, n_tokens: int, n_local: int) -> str:
+def _local_routed_op(config: ModelConfig, n_tokens: int, n_local: int, decode: bool = False) -> str:
     """The routed-expert kernel for one expert shard holding n_local experts. Every shard does the worst case
     (all T*k pairs could be its own), so when its experts are few it applies each of them to every token
-    (reading each expert once) instead of slicing one expert per pair: at decode sizes when
-    n_local <= T*k, at prefill sizes when n_local <= k (fewer rows than the grouped kernel's T*k)."""
+    (reading each expert once) instead of slicing one expert per pair: with the per-pair kernel when
+    n_local <= T*k, with the grouped ones (either) when n_local <= k (fewer rows than their T*k). `decode` as in
+    `_routed_op` (no sort in a decode program)."""
     k = config.n_activated_experts
-    pairs = _routed_op(config, n_tokens)
+    pairs = _routed_op(config, n_tokens, decode)
     if n_local <= (n_tokens * k if pairs == "moe_experts_gather" else k):
         return "moe_experts_dense"
     return pairs
@@ -89,8 +96,8 @@ def moe_expert_parallel(p: dict, experts: dict, layer: jax.Array, x: jax.Array, 
     Every expert shard sees all tokens of its data shard (x is replicated over `expert`), routes them
     (the gate is replicated), and runs a routed-expert kernel on its local experts: the (token, expert)
     pairs whose expert lives elsewhere keep their slot with routing weight 0, so no shape depends on the
-    routing. The kernel is the per-pair one of a single device, or, when the shard's experts are few, the
-    dense one (each local expert applied to every token, `_local_routed_op`). The partial
+    routing. The kernel is the one a single device would run (`_routed_op`: sort-free in decode), or, when the
+    shard's experts are few, the dense one (each local expert applied to every token, `_local_routed_op`). The partial
     sums (fp32) are then reduced over the shards:
       - when the token count divides by the expert axis: reduce-scatter over `expert` (each shard gets the
         sums of T/ep tokens), the shared expert runs on that slice only, and an all-gather returns the
@@ -110,7 +117,7 @@ def moe_expert_parallel(p: dict, experts: dict, layer: jax.Array, x: jax.Array, 
     exp_specs = jax.tree_util.tree_map_with_path(
         lambda kp, a: layout.expert_spec(tuple(k.key for k in kp), a.shape), experts)
     n_local = stacked_experts(experts["w1"]) // ep
-    op = kernels.get(_local_routed_op(config, T, n_local))
+    op = kernels.get(_local_routed_op(config, T, n_local, decode=S == 1))
     shared_op = kernels.get("shared_expert")
 
     def local(x, tokens, gate, shared, experts, layer):

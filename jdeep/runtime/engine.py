@@ -16,6 +16,12 @@ validation (requests.py) without queueing and returns a validated Request that `
 server answers 400 with the error, and validates nothing twice); `abort` ends a request and frees its slot at
 once; `release` drops a finished request's record (a long-running server keeps none).
 
+Failures stay with their request: the host work done for one request (its sampling row and PRNG key at admission,
+its stop-string matcher, detokenising and matching its tokens) runs per request, and an exception there finishes
+that request alone with finish_reason "error" (and a message naming it) and frees its slot; the other requests in
+the same step go on with exactly the tokens they would have produced without it. A failure of the step itself (the
+device program) raises out of `step`; `reset` then leaves the engine ready for the next request.
+
 With a tokenizer the engine owns the text: each request's tokens are detokenised incrementally and matched
 against its stop strings once, as they arrive; RequestOutput.text grows by whole characters (a possible stop
 string's beginning is held back) and ends before the stop string.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -36,11 +43,13 @@ from ..model.cache import PROGRAMS
 from ..model.model import Model
 from ..state import reset_slots
 from .requests import Request, RequestError, check_request
-from .sampling import SamplingBatch, SamplingParams, batch_params
+from .sampling import SEED_MAX, SamplingBatch, SamplingParams, batch_params
 from .steps import batch_bucket, length_bucket, pack_chunk, run_step, sample_program
 from .stops import StopMatcher
 
 __all__ = ["Engine", "RequestOutput"]
+
+log = logging.getLogger("jdeep.engine")
 
 
 @dataclass
@@ -49,7 +58,8 @@ class RequestOutput:
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None     # "stop" (stop token / EOS / stop string), "length", "abort" or "error"
+    finish_reason: str | None = None     # "stop" (stop token / EOS / stop string), "length", "abort", "error" (or
+                                         # another reason given to `abort`, e.g. a server's "timeout")
     error: str | None = None
     text: str | None = None              # the generated text so far (cut before a stop string), given a tokenizer
 
@@ -75,6 +85,8 @@ class Engine:
         if max_num_seqs < 1 or max_len < 2 or prefill_chunk < 1:
             raise ValueError(f"max_num_seqs, max_len and prefill_chunk must be positive, got {max_num_seqs}, "
                              f"{max_len}, {prefill_chunk}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in [0, {SEED_MAX}], got {seed!r}")
         if max_len > model.config.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds max_position_embeddings {model.config.max_position_embeddings}")
         self.model = model
@@ -90,8 +102,8 @@ class Engine:
         self.outputs: dict[str, RequestOutput] = {}
         self._ids = itertools.count()
         self._n_added = 0                             # requests ever added (default seeds)
-        self._params = [SamplingParams()] * self.n_slots
-        self._sb = None
+        # each slot's sampling row on the host (written when a request takes the slot; idle rows are never read)
+        self._rows = SamplingBatch(*(np.array(a) for a in batch_params([SamplingParams()] * self.n_slots)))
         self._last = np.zeros(self.n_slots, np.int32)
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.steps_per_bucket: dict[int, int] = {}    # engine steps run at each batch-size bucket
@@ -123,17 +135,32 @@ class Engine:
         out.prompt = request.ids.tolist()
         if request.params.seed is None:
             request = dataclasses.replace(request, params=dataclasses.replace(
-                request.params, seed=self.seed + self._n_added - 1))
-        matcher = None
-        if self.tokenizer is not None:
-            matcher = StopMatcher(self.tokenizer, request.params.stop)
-            out.text = ""
-        self.waiting.append(_Slot(out, request, matcher))
+                request.params, seed=(self.seed + self._n_added - 1) % (SEED_MAX + 1)))
+        slot = _Slot(out, request)
+        try:
+            if self.tokenizer is not None:
+                out.text = ""
+                slot.matcher = self._matcher(slot)
+        except Exception as e:          # a request the host cannot take (e.g. stop strings its tokenizer rejects)
+            self._fail(slot, "preparing its stop strings", e)
+            return rid
+        self.waiting.append(slot)
         return rid
 
-    def abort(self, request_id: str) -> bool:
-        """End a waiting or running request now (finish_reason "abort"); its slot is free for the next step.
-        Returns False if the request is unknown or already finished."""
+    def _matcher(self, slot: _Slot) -> StopMatcher:
+        """The request's incremental detokenizer and stop-string matcher (host work for one request)."""
+        return StopMatcher(self.tokenizer, slot.params.stop)
+
+    def _fail(self, slot: _Slot, where: str, e: Exception) -> None:
+        """Finish one request with an error raised by its own host work; the caller frees its slot."""
+        log.error("request %s failed while %s: %s: %s", slot.out.request_id, where, type(e).__name__, e)
+        out = slot.out
+        out.finished, out.finish_reason = True, "error"
+        out.error = f"internal error while {where} for this request: {type(e).__name__}: {e}"
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> bool:
+        """End a waiting or running request now (finish_reason `reason`, "abort" by default, with `error` as its
+        message); its slot is free for the next step. Returns False if the request is unknown or already finished."""
         out = self.outputs.get(request_id)
         if out is None or out.finished:
             return False
@@ -146,7 +173,7 @@ class Engine:
                 if s is not None and s.out is out:
                     self.slots[i] = None
                     break
-        out.finished, out.finish_reason = True, "abort"
+        out.finished, out.finish_reason, out.error = True, reason, error
         return True
 
     def reset(self) -> None:
@@ -176,13 +203,22 @@ class Engine:
         return bool(self.waiting) or any(s is not None for s in self.slots)
 
     # ------------------------------------------------------------------ stepping
-    def _admit(self) -> None:
+    def _admit(self) -> list[RequestOutput]:
+        """Move waiting requests into free slots; returns those that failed on the way."""
         free = [i for i, s in enumerate(self.slots) if s is None]
-        taken = []
+        taken, failed = [], []
         while free and self.waiting:
+            slot = self.waiting.popleft()
+            try:
+                row = self._sampling_row(slot)
+            except Exception as e:      # e.g. a seed no PRNG key holds: this request fails, the queue goes on
+                self._fail(slot, "preparing its sampling parameters", e)
+                failed.append(slot.out)
+                continue
             i = free.pop(0)
-            self.slots[i] = self.waiting.popleft()
-            self._params[i] = self.slots[i].params
+            self.slots[i] = slot
+            for dst, src in zip(self._rows, row):
+                dst[i] = src[0]
             taken.append(i)
         if taken:
             mask = np.zeros(self.n_slots, bool)
@@ -190,7 +226,11 @@ class Engine:
             self.state = _reset(self.state, self.model.put(mask))
             if self.history is not None:
                 self.history.reset(taken)
-            self._sb = self._host_batch(self._params)
+        return failed
+
+    def _sampling_row(self, slot: _Slot) -> SamplingBatch:
+        """One request's sampling values and PRNG key as a 1-row host batch (host work for one request)."""
+        return self._host_batch([slot.params])
 
     def _host_batch(self, params: list[SamplingParams]) -> SamplingBatch:
         """Sampling values on the host: a bucket's rows are a numpy slice, not a device program."""
@@ -213,35 +253,46 @@ class Engine:
     def _emit(self, logits: jax.Array, rows: list[int]) -> list[RequestOutput]:
         n = logits.shape[0]
         counts = np.array([len(s.out.tokens) if s is not None else 0 for s in self.slots[:n]], np.int32)
-        sb = self._sb if n == self.n_slots else SamplingBatch(*(a[:n] for a in self._sb))
+        sb = SamplingBatch(*(a[:n] for a in self._rows))
         nxt = self.model.fetch(sample_program()(*self.model.to_sampler((logits, sb, counts))))
         done = []
         for i in rows:
             s = self.slots[i]
             t = int(nxt[i])
-            s.out.tokens.append(t)
             self._last[i] = t
-            reason = ("stop" if t in s.request.stop_ids else
-                      "length" if len(s.out.tokens) >= s.params.max_new_tokens else None)
-            if s.matcher is not None:
-                s.out.text += s.matcher.push([t])
-                if s.matcher.stopped:
-                    reason = "stop"
-            if reason:
-                self._finish(s, reason)
+            try:
+                finished = self._push_token(s, t)
+            except Exception as e:      # this request's own host work failed: it ends alone
+                self._fail(s, "detokenising its output", e)
+                finished = True
+            if finished:
                 self.slots[i] = None
                 done.append(s.out)
         return done
 
-    def _finish(self, s: _Slot, reason: str) -> None:
-        s.out.finished, s.out.finish_reason = True, reason
+    def _push_token(self, s: _Slot, t: int) -> bool:
+        """Append token t to a request's output (text and stop strings through its matcher); returns whether it
+        finished (host work for one request)."""
+        s.out.tokens.append(t)
+        reason = ("stop" if t in s.request.stop_ids else
+                  "length" if len(s.out.tokens) >= s.params.max_new_tokens else None)
         if s.matcher is not None:
-            s.out.text += s.matcher.finish()
+            s.out.text += s.matcher.push([t])
+            if s.matcher.stopped:
+                reason = "stop"
+        if reason:
+            if s.matcher is not None:
+                s.out.text += s.matcher.finish()
+            s.out.finished, s.out.finish_reason = True, reason
+        return reason is not None
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration: admit waiting requests, then either one prefill chunk (while any admitted
         prompt is incomplete) or one decode step for every running request. Returns requests finished now."""
-        self._admit()
+        failed = self._admit()
+        return failed + self._step()
+
+    def _step(self) -> list[RequestOutput]:
         prefilling = [i for i, s in enumerate(self.slots) if s is not None and s.prefilled < len(s.out.prompt)]
         if prefilling:
             prompts = [s.request.ids if i in prefilling else None for i, s in enumerate(self.slots)]

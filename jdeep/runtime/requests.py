@@ -37,13 +37,30 @@ class Request:
 
 def prompt_ids(prompt: Sequence[int] | str, vocab_size: int, tokenizer=None, index: int = 0) -> np.ndarray:
     """A prompt (token ids, or a string encoded with `tokenizer`) -> int32 ids [T]; RequestError naming prompt
-    `index` if it is empty, not integer, out of the vocabulary, or text without a tokenizer."""
+    `index` if it is empty, not integer (bools are not token ids), out of the vocabulary, text the tokenizer cannot
+    encode (unpaired surrogates), or text without a tokenizer."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise RequestError(f"prompt {index} is text but the model has no tokenizer (no tokenizer.json in its "
                                "folder): pass token ids or tokenizer=", "prompt")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(f"prompt {index} is not valid Unicode text: {e.reason} at character {e.start}",
+                               "prompt") from None
         prompt = tokenizer.encode(prompt)
-    a = np.asarray(prompt)
+    if isinstance(prompt, (list, tuple)):      # Python ints: checked one by one (no silent float / object arrays)
+        for j, t in enumerate(prompt):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise RequestError(f"prompt {index}: token {j} must be an integer token id, got "
+                                   f"{type(t).__name__}", "prompt")
+            if not 0 <= t < vocab_size:
+                raise RequestError(f"prompt {index}: token id {_show_int(t)} at index {j} is outside the vocabulary "
+                                   f"[0, {vocab_size})", "prompt")
+    try:
+        a = np.asarray(prompt)
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"prompt {index} must be a 1-D list of token ids ({e})", "prompt") from None
     if a.ndim != 1 or a.size == 0:
         raise RequestError(f"prompt {index} must be a non-empty 1-D list of token ids, got shape {a.shape}", "prompt")
     if not np.issubdtype(a.dtype, np.integer):
@@ -54,6 +71,11 @@ def prompt_ids(prompt: Sequence[int] | str, vocab_size: int, tokenizer=None, ind
         raise RequestError(f"prompt {index}: token id {int(a[j])} at index {j} is outside the vocabulary "
                            f"[0, {vocab_size})", "prompt")
     return a.astype(np.int32)
+
+
+def _show_int(t: int) -> str:
+    """An integer for a message, shortened when it is huge."""
+    return str(t) if abs(int(t)) < 10 ** 30 else f"<a {int(t).bit_length()}-bit integer>"
 
 
 def stop_ids(params: SamplingParams, eos: int | None) -> tuple[int, ...]:
@@ -67,6 +89,8 @@ def check_request(prompt: Sequence[int] | str, sampling: SamplingParams | None, 
     only with a tokenizer, and prompt + max_new_tokens within `max_len` (called `limit_name` in the message)."""
     ids = prompt_ids(prompt, vocab_size, tokenizer, index)
     p = sampling if sampling is not None else SamplingParams()
+    if not isinstance(p, SamplingParams):
+        raise RequestError(f"sampling must be a SamplingParams, got {type(p).__name__}", "sampling")
     try:
         p.validate(vocab_size)
     except ValueError as e:

@@ -17,10 +17,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingParams", "SamplingBatch", "sample", "batch_params", "TOP_K_MAX", "TOP_P_ITERS"]
+__all__ = ["SamplingParams", "SamplingBatch", "sample", "batch_params", "TOP_K_MAX", "TOP_P_ITERS", "INT32_MAX",
+           "SEED_MAX", "FLOAT32_MAX", "MAX_STOP_TOKEN_IDS", "MAX_STOP_STRINGS", "MAX_STOP_CHARS"]
 
 TOP_K_MAX = 1024     # largest top_k honoured exactly (a static top_k width); larger values mean "off"
 TOP_P_ITERS = 32     # bisection steps of the top-p threshold (resolution p_max * 2^-32)
+# Validation bounds (SamplingParams.validate): what the device arrays and the host loops can hold.
+INT32_MAX = 2 ** 31 - 1                      # top_k, max_new_tokens: int32 on the device
+SEED_MAX = 2 ** 63 - 1                       # seed: an int64 (jax.random.PRNGKey's range)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+MAX_STOP_TOKEN_IDS = 256                     # stop_token_ids per request
+MAX_STOP_STRINGS = 32                        # stop strings per request ...
+MAX_STOP_CHARS = 1024                        # ... each at most this long
 
 
 @dataclass(frozen=True)
@@ -39,12 +47,25 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     def validate(self, vocab_size: int) -> "SamplingParams":
-        """Raise ValueError naming the first bad field; returns self."""
+        """Raise ValueError naming the first bad field; returns self. Bounds (the constants above): floats finite
+        (also in float32), integers within int32 (top_k, max_new_tokens) or int64 (seed), at most MAX_STOP_TOKEN_IDS
+        stop ids and MAX_STOP_STRINGS stop strings of at most MAX_STOP_CHARS characters."""
         def num(name: str) -> float:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite number, got {v!r}")
-            return float(v)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+                raise ValueError(f"{name} must be a finite number, got {_show(v)}")
+            try:
+                x = float(v)
+            except OverflowError:
+                x = math.inf
+            if not math.isfinite(x) or abs(x) > FLOAT32_MAX:
+                raise ValueError(f"{name} must be a finite number (float32), got {_show(v)}")
+            return x
+
+        def integer(name: str, lo: int, hi: int) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {_show(v)}")
 
         if num("temperature") < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -52,18 +73,32 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= num("min_p") <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("top_k", "max_new_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "max_new_tokens" else 0):
-                raise ValueError(f"{name} must be an integer >= {1 if name == 'max_new_tokens' else 0}, got {v!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        for t in self.stop_token_ids:
+        integer("top_k", 0, INT32_MAX)
+        integer("max_new_tokens", 1, INT32_MAX)
+        if self.seed is not None:
+            integer("seed", 0, SEED_MAX)
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (tuple, list)) or len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, "
+                             f"got {_show(ids)}")
+        for t in ids:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
-                raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
-        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+                raise ValueError(f"stop_token_ids: {_show(t)} is not a token id in [0, {vocab_size})")
+        stop = self.stop
+        if (isinstance(stop, (str, bytes)) or not isinstance(stop, (tuple, list)) or len(stop) > MAX_STOP_STRINGS
+                or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)):
+            raise ValueError(f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                             f"{MAX_STOP_CHARS} characters, got {_show(stop)}")
         return self
+
+
+def _show(v) -> str:
+    """A value for an error message: its repr, cut to 200 characters (also for ints too long to print)."""
+    try:
+        r = repr(v)
+    except (ValueError, RecursionError):     # an int beyond Python's digit limit for str(), a deeply nested value
+        r = f"<{type(v).__name__} of {v.bit_length()} bits>" if isinstance(v, int) else f"<{type(v).__name__}>"
+    return r if len(r) <= 200 else r[:197] + "..."
 
 
 class SamplingBatch(NamedTuple):

@@ -6,7 +6,12 @@ they completed (the engine detokenises and matches stop strings) to its caller's
 (`loop.call_soon_threadsafe`), one Delta per step. Callers never touch the Engine:
 `submit` returns a RequestHandle (an async iterator of Deltas); `handle.abort()` (a client went away) ends
 the request at the next step boundary and frees its slot. A step that raises fails the requests in flight
-with an error and the thread keeps serving.
+with an error and the thread keeps serving (the Engine itself isolates failures of one request's host work).
+
+Back-pressure and deadlines: with `max_waiting`, `submit` refuses (QueueFull) requests that would leave more than
+that many waiting for a slot, i.e. more than slots + max_waiting in flight (counted from submission to the end of
+the request, so a burst cannot overshoot); a request given a `timeout` is finished by the engine thread once it
+has been in flight that long (finish_reason "timeout", its slot freed).
 """
 
 from __future__ import annotations
@@ -15,14 +20,14 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..runtime.engine import Engine
 from ..runtime.requests import Request
 from ..runtime.sampling import SamplingParams
 
-__all__ = ["AsyncEngine", "Delta", "RequestHandle"]
+__all__ = ["AsyncEngine", "Delta", "RequestHandle", "QueueFull"]
 
 log = logging.getLogger("jdeep.serve")
 
@@ -35,10 +40,19 @@ class Delta:
     request_id: str
     tokens: list[int]
     finished: bool = False
-    finish_reason: str | None = None    # "stop", "length", "abort" or "error"
+    finish_reason: str | None = None    # "stop", "length", "abort", "error" or "timeout"
     error: str | None = None
     time: float = 0.0
     text: str = ""
+
+
+class QueueFull(RuntimeError):
+    """submit refused: the requests would take the number waiting for a slot past `limit`."""
+
+    def __init__(self, waiting: int, asked: int, limit: int):
+        super().__init__(f"{waiting} requests are waiting for a slot (the limit is {limit}); "
+                         f"{asked} more cannot be queued now")
+        self.waiting, self.asked, self.limit = waiting, asked, limit
 
 
 @dataclass
@@ -47,6 +61,8 @@ class _Tracked:
     queue: asyncio.Queue
     sent: int = 0          # tokens already handed over
     sent_text: int = 0     # characters of the text already handed over
+    deadline: float | None = None    # time.monotonic() after which the request is finished with "timeout"
+    timeout: float | None = None
 
 
 class RequestHandle:
@@ -82,14 +98,19 @@ class EngineStats:
     waiting: int = 0
     steps: int = 0
     alive: bool = False
-    step_seconds: list[float] = field(default_factory=list)   # durations since the last drain (metrics)
 
 
 class AsyncEngine:
     """engine = AsyncEngine(Engine(model, ...)); engine.start(); h = engine.submit(ids, params); async for d in h."""
 
-    def __init__(self, engine: Engine, on_error: Callable[[BaseException], None] | None = None):
+    def __init__(self, engine: Engine, on_error: Callable[[BaseException], None] | None = None,
+                 max_waiting: int | None = None):
+        """max_waiting: how many requests may wait for a slot (None: no limit)."""
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
         self.engine = engine
+        self.max_waiting = max_waiting
+        self._in_flight = 0        # submitted requests not yet finished (the admission count)
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []
         self._tracked: dict[str, _Tracked] = {}
@@ -97,6 +118,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._n = 0
         self._on_error = on_error
+        self.on_step: Callable[[float], None] | None = None    # called (engine thread) with each step's seconds
         self.stats = EngineStats(slots=engine.n_slots)
 
     # ------------------------------------------------------------------ caller side (any thread / event loop)
@@ -111,18 +133,41 @@ class AsyncEngine:
         """Validate without queueing (Engine.check_request): the Request, or RequestError."""
         return self.engine.check_request(prompt, params)
 
-    def submit(self, request: Request, queue: asyncio.Queue | None = None,
-               request_id: str | None = None) -> RequestHandle:
+    @property
+    def n_waiting(self) -> int:
+        """Requests in flight beyond the engine's slots (what max_waiting bounds)."""
+        return max(0, self._in_flight - self.engine.n_slots)
+
+    def submit(self, request: Request, queue: asyncio.Queue | None = None, request_id: str | None = None,
+               timeout: float | None = None) -> RequestHandle:
         """Queue a validated request (from `check`) from a coroutine; its Deltas go to `queue` (a new one by
-        default; several requests may share one, Delta.request_id tells them apart)."""
+        default; several requests may share one, Delta.request_id tells them apart). timeout: seconds from now
+        after which it is finished with finish_reason "timeout". QueueFull past max_waiting."""
+        return self.submit_all([request], queue, timeout, [request_id])[0]
+
+    def submit_all(self, requests: Sequence[Request], queue: asyncio.Queue | None = None,
+                   timeout: float | None = None, request_ids: Sequence[str | None] | None = None
+                   ) -> list[RequestHandle]:
+        """Queue several requests sharing `queue`: all of them, or none (QueueFull) when they would take the
+        requests waiting for a slot past max_waiting."""
         if self._stopping or self._thread is None or not self.stats.alive:
             raise RuntimeError("the engine is not running")
-        with self._cv:
-            self._n += 1
-            rid = request_id or f"req-{self._n}"
+        loop = asyncio.get_running_loop()
         q = queue if queue is not None else asyncio.Queue()
-        self._post(("add", rid, request, _Tracked(asyncio.get_running_loop(), q)))
-        return RequestHandle(self, rid, q)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        handles = []
+        with self._cv:
+            if (self.max_waiting is not None
+                    and self._in_flight + len(requests) > self.engine.n_slots + self.max_waiting):
+                raise QueueFull(self.n_waiting, len(requests), self.max_waiting)
+            self._in_flight += len(requests)
+            for k, request in enumerate(requests):
+                self._n += 1
+                rid = (request_ids[k] if request_ids else None) or f"req-{self._n}"
+                self._inbox.append(("add", rid, request, _Tracked(loop, q, deadline=deadline, timeout=timeout)))
+                handles.append(RequestHandle(self, rid, q))
+            self._cv.notify()
+        return handles
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
@@ -156,6 +201,7 @@ class AsyncEngine:
                     stopping = self._stopping
                 for cmd in inbox:
                     self._apply(cmd)
+                self._expire(time.monotonic())
                 if stopping:
                     for rid in list(self._tracked):
                         eng.abort(rid)
@@ -171,7 +217,8 @@ class AsyncEngine:
                             self._on_error(e)
                         self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
                     self.stats.steps += 1
-                    self.stats.step_seconds.append(time.perf_counter() - t0)
+                    if self.on_step is not None:
+                        self.on_step(time.perf_counter() - t0)
                 self._publish()
         except BaseException as e:      # a bug outside the step: nobody may wait forever
             log.exception("the engine thread failed")
@@ -189,18 +236,27 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, rid, request, tracked = cmd
-            self._tracked[rid] = tracked
             try:
                 self.engine.add_request(request, request_id=rid)
-            except ValueError as e:         # a request id already in use
-                del self._tracked[rid]
-                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait,
-                                                  Delta(rid, [], True, "error", str(e), time.monotonic()))
+            except Exception as e:          # a request id already in use, or a bug: this request alone fails
+                self._done(1)
+                _send(tracked, Delta(rid, [], True, "error", f"{type(e).__name__}: {e}", time.monotonic()))
+                return
+            self._tracked[rid] = tracked
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
         else:
             for rid in list(self._tracked):
                 self.engine.abort(rid)
+
+    def _expire(self, now: float) -> None:
+        """Finish every request past its deadline ("timeout"; the engine frees its slot)."""
+        for rid, t in self._tracked.items():
+            if t.deadline is not None and now >= t.deadline:
+                out = self.engine.outputs.get(rid)
+                n = len(out.tokens) if out is not None else 0
+                self.engine.abort(rid, "timeout", f"the request timed out after {t.timeout:g} s (the server's "
+                                                  f"--request-timeout) with {n} tokens generated; it was cancelled")
 
     def _fail_all(self, message: str) -> None:
         """Fail every request in flight and start over with a fresh state (the failed step may have consumed
@@ -213,8 +269,14 @@ class AsyncEngine:
     def _publish(self) -> None:
         """Send every tracked request its new tokens; forget the finished ones."""
         now = time.monotonic()
+        ended = 0
         for rid, t in list(self._tracked.items()):
-            out = self.engine.outputs[rid]
+            out = self.engine.outputs.get(rid)
+            if out is None:             # (a bug) the record is gone: the caller must still hear of it
+                del self._tracked[rid]
+                ended += 1
+                _send(t, Delta(rid, [], True, "error", "the engine lost this request", now))
+                continue
             new = out.tokens[t.sent:]
             if not new and not out.finished:
                 continue
@@ -224,8 +286,21 @@ class AsyncEngine:
             if out.finished:
                 del self._tracked[rid]
                 self.engine.release(rid)
-            try:
-                t.loop.call_soon_threadsafe(t.queue.put_nowait, d)
-            except RuntimeError:        # the caller's event loop has closed
-                pass
+                ended += 1
+            _send(t, d)
+        self._done(ended)
         self.stats.running, self.stats.waiting = self.engine.n_running, self.engine.n_waiting
+
+    def _done(self, n: int) -> None:
+        """n requests have left the engine: they no longer count against max_waiting."""
+        if n:
+            with self._cv:
+                self._in_flight -= n
+
+
+def _send(t: _Tracked, d: Delta) -> None:
+    """Hand a Delta to its caller's event loop (nothing to do once that loop has closed)."""
+    try:
+        t.loop.call_soon_threadsafe(t.queue.put_nowait, d)
+    except RuntimeError:
+        pass

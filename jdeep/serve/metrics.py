@@ -1,14 +1,15 @@
 """Prometheus metrics of the server, in the text exposition format (version 0.0.4), without a client library.
 
 Counters, gauges and histograms with optional labels; `Registry.render()` is the body of GET /metrics.
-Updates come from the event loop only (request handlers), gauges are read from the engine's snapshot at
-render time, so nothing here needs a lock.
+Counters are updated from the event loop only (request handlers), gauges are read from the engine's snapshot at
+render time; a histogram may also be fed from another thread (the engine's step times), so it takes a lock.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import threading
 from typing import Callable, Sequence
 
 __all__ = ["Registry", "Counter", "Gauge", "Histogram", "LATENCY_BUCKETS"]
@@ -81,18 +82,22 @@ class Histogram(_Metric):
         self.counts = [0] * (len(self.bounds) + 1)     # the last one: above every bound
         self.sum = 0.0
         self.count = 0
+        self._lock = threading.Lock()
 
     def observe(self, x: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, x)] += 1
-        self.sum += x
-        self.count += 1
+        with self._lock:
+            self.counts[bisect.bisect_left(self.bounds, x)] += 1
+            self.sum += x
+            self.count += 1
 
     def lines(self) -> list[str]:
+        with self._lock:
+            counts, total, n = list(self.counts), self.sum, self.count
         out, cum = self.header(), 0
-        for b, c in zip(self.bounds + (math.inf,), self.counts):
+        for b, c in zip(self.bounds + (math.inf,), counts):
             cum += c
             out.append(f'{self.name}_bucket{{le="{_num(b)}"}} {cum}')
-        return out + [f"{self.name}_sum {_num(self.sum)}", f"{self.name}_count {self.count}"]
+        return out + [f"{self.name}_sum {_num(total)}", f"{self.name}_count {n}"]
 
 
 class Registry:

@@ -6,8 +6,10 @@ Every request shares the one engine (AsyncEngine: the Engine on its own thread);
 has its requests aborted at once, which frees their slots at the engine's next step. Errors are OpenAI's
 JSON ({"error": {...}}) with 4xx codes for the client's mistakes: 400 bad fields or JSON, 401 without the
 API key (--api-key guards /v1/*; /health and /metrics stay open for probes and scrapers), 404 unknown model
-or route, 405, 413 body too large, 503 while shutting down. Shutdown (SIGINT/SIGTERM) stops accepting
-connections and lets requests in flight finish; one second before `shutdown_timeout` the engine aborts those
+or route, 405, 413 body too large, 429 (with Retry-After) when `max_waiting` requests already wait for a slot,
+503 while shutting down; a request past `request_timeout` seconds is cancelled and gets 504 (a stream: an error
+event); 500 only for a failure inside the engine, which ends that request alone. Shutdown (SIGINT/SIGTERM) stops
+accepting connections and lets requests in flight finish; one second before `shutdown_timeout` the engine aborts those
 still running (a stream ends with an error event and [DONE], a plain request gets 503), uvicorn cancels
 whatever is left at the timeout, and the engine thread stops.
 """
@@ -23,7 +25,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -33,75 +35,32 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ..runtime.engine import Engine
-from .async_engine import AsyncEngine, Delta, RequestHandle
-from .metrics import Counter, Gauge, Histogram, Registry
+from .async_engine import AsyncEngine, Delta, QueueFull, RequestHandle
 from .openai_protocol import (APIError, GenerationRequest, ServingContext, chat_chunk, chat_response, completion_chunk,
-                              completion_response, parse_chat, parse_completion, usage, usage_chunk)
+                              completion_response, parse_chat, parse_completion, parse_json, usage, usage_chunk)
+from .server_metrics import Latency, ServerMetrics
 
 __all__ = ["ServerSettings", "build_app", "serve", "make_server", "background_server"]
 
 log = logging.getLogger("jdeep.serve")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+WAITING_PER_SLOT = 4        # default max_waiting: this many times the engine's slots
+RETRY_AFTER_S = 1           # the Retry-After of a 429
 
 
 @dataclass(frozen=True)
 class ServerSettings:
+    """model_name: the id clients send; max_waiting: requests that may wait for a slot before new ones get 429
+    (None: WAITING_PER_SLOT x the engine's slots); request_timeout: seconds a request may take from arrival before
+    it is cancelled (None: no limit)."""
+
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     created: int = 0                    # the model's "created" timestamp in /v1/models
-
-
-class _Metrics:
-    def __init__(self, aengine: AsyncEngine):
-        r = self.registry = Registry()
-        st = aengine.stats
-        self.requests = r.add(Counter("jdeep_requests_total", "HTTP requests by route and status code",
-                                      ("endpoint", "status")))
-        self.finished = r.add(Counter("jdeep_request_finished_total", "Generation requests by finish reason",
-                                      ("finish_reason",)))
-        self.prompt_tokens = r.add(Counter("jdeep_prompt_tokens_total", "Prompt tokens processed"))
-        self.generation_tokens = r.add(Counter("jdeep_generation_tokens_total", "Tokens generated"))
-        self.ttft = r.add(Histogram("jdeep_time_to_first_token_seconds", "Request arrival to its first token"))
-        self.itl = r.add(Histogram("jdeep_inter_token_latency_seconds", "Time between a request's tokens"))
-        self.e2e = r.add(Histogram("jdeep_e2e_request_latency_seconds", "Request arrival to its last token"))
-        self.step = r.add(Histogram("jdeep_engine_step_seconds", "Duration of one engine step"))
-        r.add(Gauge("jdeep_slots_total", "Sequence slots in the engine's pool", lambda: st.slots))
-        r.add(Gauge("jdeep_slots_used", "Slots held by running requests", lambda: st.running))
-        r.add(Gauge("jdeep_requests_waiting", "Requests queued for a slot", lambda: st.waiting))
-        r.add(Gauge("jdeep_engine_steps_total", "Engine steps run", lambda: st.steps))
-        self._stats = st
-
-    def render(self) -> str:
-        times, self._stats.step_seconds[:] = list(self._stats.step_seconds), []
-        for t in times:
-            self.step.observe(t)
-        return self.registry.render()
-
-
-class _Latency:
-    """TTFT / ITL / end-to-end latency of one HTTP request."""
-
-    def __init__(self, metrics: _Metrics):
-        self.m, self.t0, self.last = metrics, time.monotonic(), None
-
-    def tokens(self, n: int, at: float) -> None:
-        if n == 0:
-            return
-        if self.last is None:
-            self.m.ttft.observe(at - self.t0)
-        else:
-            for _ in range(n):
-                self.m.itl.observe((at - self.last) / n)
-        self.last = at
-
-    def done(self, prompt_tokens: int, completion_tokens: int, reasons: Iterable[str]) -> None:
-        self.m.e2e.observe(time.monotonic() - self.t0)
-        self.m.prompt_tokens.inc(prompt_tokens)
-        self.m.generation_tokens.inc(completion_tokens)
-        for r in reasons:
-            self.m.finished.inc(1, r)
+    max_waiting: int | None = None
+    request_timeout: float | None = None
 
 
 class _Choice:
@@ -123,13 +82,19 @@ class _Choice:
 
 
 def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+FAILED = ("error", "abort", "timeout")      # finish reasons that end a request without its completion
 
 
 def _failure(finish_reason: str, error: str | None) -> APIError:
-    """A request the server ended: "abort" (shutting down) -> 503, "error" (the engine failed) -> 500."""
+    """A request the server ended: "abort" (shutting down) -> 503, "timeout" (--request-timeout) -> 504, "error"
+    (the engine failed) -> 500."""
     if finish_reason == "abort":
         return APIError(503, "the request was cancelled (the server is shutting down)", type="server_error")
+    if finish_reason == "timeout":
+        return APIError(504, error or "the request timed out", type="timeout_error", code="request_timeout")
     return APIError(500, error or "the engine failed while generating", type="server_error")
 
 
@@ -166,7 +131,7 @@ class _App:
         self.engine, self.settings = aengine, settings
         eng = aengine.engine
         self.ctx = ServingContext(settings.model_name, eng.max_len, eng.tokenizer, aengine.check)
-        self.metrics = _Metrics(aengine)
+        self.metrics = ServerMetrics(aengine)
         self.draining = False
 
     # ------------------------------------------------------------------ plain routes
@@ -201,22 +166,31 @@ class _App:
             if n > limit:
                 raise APIError(413, f"the request body exceeds the limit of {limit} bytes")
             chunks.append(chunk)
+        return parse_json(b"".join(chunks))
+
+    def _submit(self, req: GenerationRequest, queue: asyncio.Queue) -> list[RequestHandle]:
+        """Queue the request's prompts, all or none: 429 past max_waiting, 503 without an engine."""
+        eng = self.engine
+        if eng.max_waiting is not None and len(req.requests) > eng.engine.n_slots + eng.max_waiting:
+            raise APIError(400, f"the request holds {len(req.requests)} prompts; this server takes at most "
+                           f"{eng.engine.n_slots + eng.max_waiting} at once", param="prompt")
         try:
-            return json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+            return eng.submit_all(req.requests, queue, timeout=self.settings.request_timeout)
+        except QueueFull as e:
+            self.metrics.rejected.inc()
+            raise APIError(429, f"the server is busy: {e}; retry later", type="rate_limit_error",
+                           code="too_many_waiting_requests", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except RuntimeError as e:
+            raise APIError(503, str(e), type="service_unavailable") from None
 
     async def _generate(self, request: Request, parse) -> Response:
-        timer = _Latency(self.metrics)
+        timer = Latency(self.metrics)
         try:
             if self.draining:
                 raise APIError(503, "the server is shutting down", type="service_unavailable")
             req: GenerationRequest = parse(await self._read_json(request), self.ctx)
             queue: asyncio.Queue = asyncio.Queue()
-            try:
-                handles = [self.engine.submit(r, queue) for r in req.requests]
-            except RuntimeError as e:
-                raise APIError(503, str(e), type="service_unavailable") from None
+            handles = self._submit(req, queue)
         except APIError as e:
             return _error(e)
         choices = [_Choice() for _ in handles]
@@ -233,7 +207,7 @@ class _App:
             watcher.cancel()
             for h in handles:
                 h.abort()
-        failed = [c for c in choices if c.finish_reason in ("error", "abort")]
+        failed = [c for c in choices if c.finish_reason in FAILED]
         self._done(req, choices, timer)
         if failed:
             return _error(_failure(failed[0].finish_reason, failed[0].error))
@@ -242,7 +216,7 @@ class _App:
             return JSONResponse(completion_response(req, [c.as_dict() for c in choices], u))
         return JSONResponse(chat_response(req, choices[0].as_dict(), u))
 
-    async def _deltas(self, handles: list[RequestHandle], queue: asyncio.Queue, index: dict, timer: _Latency):
+    async def _deltas(self, handles: list[RequestHandle], queue: asyncio.Queue, index: dict, timer: Latency):
         """(choice index, Delta) until every request has finished; feeds the latency metrics."""
         left = len(handles)
         while left:
@@ -254,11 +228,11 @@ class _App:
                 left -= 1
             yield i, d
 
-    def _done(self, req: GenerationRequest, choices: list[_Choice], timer: _Latency) -> None:
+    def _done(self, req: GenerationRequest, choices: list[_Choice], timer: Latency) -> None:
         timer.done(sum(map(len, req.prompts)), sum(len(c.tokens) for c in choices),
                    [c.finish_reason or "abort" for c in choices])
 
-    async def _events(self, req: GenerationRequest, handles, queue, choices: list[_Choice], index: dict, timer: _Latency):
+    async def _events(self, req: GenerationRequest, handles, queue, choices: list[_Choice], index: dict, timer: Latency):
         chat = req.kind == "chat"
         try:
             if chat:
@@ -268,7 +242,7 @@ class _App:
                 text = c.push(d)
                 if d.finished:
                     c.finish_reason = d.finish_reason
-                if d.finish_reason in ("error", "abort"):
+                if d.finish_reason in FAILED:
                     yield _sse(_failure(d.finish_reason, d.error).body())
                     break
                 if not text and not d.finished and not (req.return_token_ids and d.tokens):
@@ -354,7 +328,8 @@ def build_app(aengine: AsyncEngine, settings: ServerSettings):
 def make_server(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
                 shutdown_timeout: float = 30.0, log_level: str = "info"):
     """A uvicorn Server for the engine: `server.run()` blocks until SIGINT/SIGTERM (or `server.should_exit`)."""
-    aengine = AsyncEngine(engine)
+    max_waiting = settings.max_waiting if settings.max_waiting is not None else WAITING_PER_SLOT * engine.n_slots
+    aengine = AsyncEngine(engine, max_waiting=max_waiting)
     app = build_app(aengine, settings)
 
     class _Server(uvicorn.Server):

@@ -1,16 +1,19 @@
 """Every program jdeep compiles for a model, as (name, jitted function, abstract arguments): what
 `jdeep check-graph` checks and `jdeep export` writes.
 
-A step is lowered per batch-size bucket B: prefill (a chunk of `prefill_len` tokens) and decode (one token),
-on a state of B slots and `max_len` tokens. In the scan mode that is one program per step; in the regions
-mode the step's distinct region programs (embed, attn.<kind>, ffn.<moe>, head). Arguments are
+A step is lowered per batch-size bucket B: prefill (a chunk of `prefill_len` tokens, or one program per chunk length
+of a sequence of them) and decode (one token), on a state of B slots and `max_len` tokens. What serving compiles
+(`jdeep serve`, the Engine's warmup) is every power-of-two batch bucket up to its slots times every chunk-length
+bucket up to its prefill chunk (`chunk_buckets`); `SERVING_BATCH_SIZES` and `SERVING_PREFILL_LEN` are the largest
+serving configuration jdeep checks (`jdeep check-graph`'s defaults). In the scan mode a step is one program; in the
+regions mode the step's distinct region programs (embed, attn.<kind>, ffn.<moe>, head). Arguments are
 jax.ShapeDtypeStruct built from the config alone (no weights are read).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +26,15 @@ from ..model.regions import regions_step
 from ..numerics import Numerics
 from ..param_spec import abstract_params
 from ..plan import LayerPlan, build_plan
+from ..runtime.steps import length_bucket
 from ..state import init_state
 
-__all__ = ["Target", "Program", "model_programs"]
+__all__ = ["Target", "Program", "model_programs", "chunk_buckets", "SERVING_BATCH_SIZES", "SERVING_PREFILL_LEN",
+           "SERVING_PREFILL_TOKENS"]
+
+SERVING_BATCH_SIZES: tuple[int, ...] = tuple(1 << i for i in range(9))    # 1, 2, 4, ..., 256 sequence slots
+SERVING_PREFILL_LEN = 8192                                                 # the longest prefill chunk
+SERVING_PREFILL_TOKENS = 8192   # the token budget of one prefill step (batch x chunk): larger steps are not served
 
 
 @dataclass(frozen=True)
@@ -88,16 +97,31 @@ def step_inputs(t: Target, B: int, S: int, max_len: int) -> tuple:
     return params, state, ids, ids, engram, embeds
 
 
-def model_programs(t: Target, batch_sizes=(1,), prefill_len: int = 64, max_len: int = 256,
-                   cache: ProgramCache = PROGRAMS) -> list[Program]:
+def chunk_buckets(longest: int) -> tuple[int, ...]:
+    """The prefill chunk lengths serving runs for chunks of up to `longest` tokens, ascending: the length bucket
+    of every take 1..longest (`runtime.steps.length_bucket`: powers of two from 16), as the Engine's warmup."""
+    top, n, out = length_bucket(longest), length_bucket(1), []
+    while n <= top:
+        out.append(n)
+        n *= 2
+    return tuple(out)
+
+
+def model_programs(t: Target, batch_sizes=(1,), prefill_len: int | Sequence[int] = 64, max_len: int = 256,
+                   cache: ProgramCache = PROGRAMS, max_prefill_tokens: int | None = None) -> list[Program]:
     """The programs of prefill and decode steps for every batch bucket, in call order, without duplicates.
+    prefill_len: one chunk length (programs "b{B}.prefill") or several ("b{B}.prefill{S}" each, then "b{B}.decode").
+    max_prefill_tokens: leave out prefill programs of more tokens (batch x chunk) than one step's budget.
     `cache`: where the programs are taken from and kept (a fresh ProgramCache gives freshly jitted programs)."""
+    several = not isinstance(prefill_len, int)
+    lens = tuple(prefill_len) if several else (prefill_len,)
     out = []
     for B in batch_sizes:
-        for step, S in (("prefill", prefill_len), ("decode", 1)):
+        prefills = [("prefill", S) for S in lens if max_prefill_tokens is None or B * S <= max_prefill_tokens]
+        for step, S in prefills + [("decode", 1)]:
             bucket = {"batch": B, "seq": S, "step": step, "max_len": max_len}
             args = step_inputs(t, B, S, max_len)
-            name = f"b{B}.{step}"
+            name = f"b{B}.{step}{S if several and step == 'prefill' else ''}"
             if t.compile_mode == "scan":
                 out.append(Program(name, compiled_step(t.config, t.plan, t.numerics, False, cache=cache), args, bucket))
             else:

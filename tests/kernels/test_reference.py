@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from jdeep import kernels
-from jdeep.kernels.reference import (moe_experts_dense, moe_experts_gather, moe_experts_grouped, shared_expert,
-                                     sparse_attention)
+from jdeep.kernels.reference import (moe_experts_dense, moe_experts_gather, moe_experts_grouped,
+                                     moe_experts_grouped_nosort, shared_expert, sparse_attention)
 from jdeep.layers.chunk import make_chunk
 from jdeep.layers.indexer import index_select
 from jdeep.layers.moe import route
@@ -224,7 +224,7 @@ def test_routing_weight_applied_before_w2_and_act_rounding():
     args = (x, jnp.asarray(idx), jnp.asarray(weight), jnp.asarray(w1), jnp.asarray(w2),
             jnp.asarray(w3), jnp.asarray(0, jnp.int32), limit)
     assert np.max(np.abs(before - after)) > 1e-3
-    for fn in (moe_experts_gather, moe_experts_grouped, moe_experts_dense):
+    for fn in (moe_experts_gather, moe_experts_grouped, moe_experts_grouped_nosort, moe_experts_dense):
         y = np.asarray(fn(*args), np.float64)
         err_before, err_after = np.max(np.abs(y - before)), np.max(np.abs(y - after))
         assert err_before < 1e-4 < err_after, (fn.__name__, err_before, err_after)

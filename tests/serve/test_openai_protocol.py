@@ -9,7 +9,7 @@ import pytest
 from jdeep import SamplingParams
 from jdeep.io.tokenizer import Tokenizer
 from jdeep.runtime.requests import check_request
-from jdeep.serve.openai_protocol import APIError, ServingContext, parse_chat, parse_completion
+from jdeep.serve.openai_protocol import APIError, ServingContext, parse_chat, parse_completion, parse_json
 from jdeep.tools.random_weights import write_word_tokenizer
 
 V, MAX_LEN = 512, 64
@@ -95,3 +95,54 @@ def test_without_a_tokenizer_token_ids_come_back_and_text_is_refused(ctx):
     assert not parse_completion({"prompt": [0, 5]}, ctx).return_token_ids
     assert "tokenizer" in _error(parse_completion, {"prompt": "tok5"}, bare).message
     assert "tokenizer" in _error(parse_chat, {"messages": [{"role": "user", "content": "x"}]}, bare).message
+
+
+def test_every_field_is_bounded_at_the_edge(ctx):
+    """Values the engine could not hold (int32 / int64 overflow, non-finite floats, bools as numbers, oversized lists
+    and strings, unpaired surrogates) are 400s naming their field, before anything reaches the engine."""
+    big = 2 ** 80
+    cases = [({"seed": big}, "seed"), ({"seed": 2 ** 63}, "seed"), ({"seed": True}, "seed"), ({"seed": 1.0}, "seed"),
+             ({"max_tokens": big}, "max_tokens"), ({"max_tokens": 2 ** 31}, "max_tokens"),
+             ({"max_tokens": 4.0}, "max_tokens"), ({"top_k": big}, "top_k"), ({"top_k": -1}, "top_k"),
+             ({"top_k": False}, "top_k"), ({"temperature": 10 ** 400}, "temperature"),
+             ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+             ({"temperature": True}, "temperature"), ({"temperature": 1e39}, "temperature"),
+             ({"top_p": float("nan")}, "top_p"), ({"min_p": float("-inf")}, "min_p"),
+             ({"presence_penalty": float("nan")}, "presence_penalty"),
+             ({"frequency_penalty": big}, "frequency_penalty"),
+             ({"n": big}, "n"), ({"n": True}, "n"), ({"logit_bias": {str(big): 1}}, "logit_bias"),
+             ({"prompt": [0, big]}, "prompt"), ({"prompt": [0, -big]}, "prompt"), ({"prompt": [0, True]}, "prompt"),
+             ({"prompt": [[0, 1]] * 65}, "prompt"), ({"prompt": "tok1 \ud800"}, "prompt"),
+             ({"prompt": "x" * (64 * MAX_LEN + 1)}, "prompt"), ({"stop": ["a"] * 33}, "stop"),
+             ({"stop": ["a" * 1025]}, "stop"), ({"stop": ["\udfff"]}, "stop"), ({"stop": [["nested"]]}, "stop"),
+             ({"stop_token_ids": [1] * 257}, "stop_token_ids"), ({"stop_token_ids": [big]}, "stop_token_ids"),
+             ({"stop_token_ids": [True]}, "stop_token_ids"), ({"stream": 1}, "stream"),
+             ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+             ({"return_token_ids": 0}, "return_token_ids"), ({"model": ["m"]}, "model")]
+    for extra, param in cases:
+        e = _error(parse_completion, {"prompt": [0, 5], **extra}, ctx)
+        assert (e.status, e.param) == (400, param), (extra, e.message)
+        assert len(e.message) < 400 and param.split("_")[0] in e.message, (extra, e.message)
+    for extra, param in [({"max_completion_tokens": big}, "max_completion_tokens"),
+                         ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+                         ({"messages": [{"role": big, "content": "x"}]}, "messages"),
+                         ({"chat_template_kwargs": {"thinking": 1}}, "chat_template_kwargs")]:
+        body = {"messages": [{"role": "user", "content": "tok7"}], **extra}
+        assert _error(parse_chat, body, ctx).param == param, extra
+    deep = []
+    for _ in range(5000):           # deeper than repr can print: the message still names the field
+        deep = [deep]
+    for name in ("n", "stop", "seed"):
+        assert _error(parse_completion, {"prompt": [0, 5], name: deep}, ctx).param == name
+    ok = parse_completion({"prompt": [0, 5], "seed": 2 ** 63 - 1, "top_k": 2 ** 31 - 1, "temperature": 2}, ctx)
+    assert ok.params.seed == 2 ** 63 - 1 and ok.params.temperature == 2.0
+
+
+def test_parse_json_refuses_what_is_not_standard_json():
+    assert parse_json(b'{"a": [1, 2.5, "x"]}') == {"a": [1, 2.5, "x"]}
+    for raw, what in [(b'{"temperature": NaN}', "NaN"), (b'{"temperature": Infinity}', "Infinity"),
+                      (b'{"t": -Infinity}', "Infinity"), (b"[" * 100_000, "nested"), (b"1" * 5000, "digits"),
+                      (b"\xff\xfe{}", "JSON"), (b'{"a": 1', "JSON"), (b"", "JSON")]:
+        with pytest.raises(APIError) as e:
+            parse_json(raw)
+        assert e.value.status == 400 and what in e.value.message, (raw[:20], e.value.message)

@@ -37,7 +37,7 @@ def test_64_concurrent_streams_with_2_disconnects(model):
     engine = Engine(model, **ENGINE)
     step = engine.step
     engine.step = lambda: (time.sleep(0.002), step())[1]    # the disconnecting clients leave mid-request
-    with background_server(engine, ServerSettings("tiny")) as (url, server):
+    with background_server(engine, ServerSettings("tiny", max_waiting=64)) as (url, server):   # all 64 queue
         t0 = time.perf_counter()
         results = asyncio.run(run_load(url, "tiny", reqs))
         wall = time.perf_counter() - t0

@@ -6,8 +6,11 @@ import json
 
 import numpy as np
 
+import jdeep
 from jdeep.cli import main
 from jdeep.presets import one_layer_config
+from jdeep.tools.bench import _chunk_lengths, _run_one, bench_prompts
+from jdeep.tools.random_weights import random_checkpoint
 
 RUN_FIELDS = {"batch_size", "input_len", "output_len", "compile_s", "ttft_s", "prefill_tok_s", "itl_ms",
               "decode_tok_s_per_seq", "decode_tok_s", "decode_step_bytes", "achieved_bandwidth_gbs",
@@ -49,3 +52,46 @@ def test_bench_plot(tmp_path, capsys):
     assert main(["bench", "--random-weights", str(tmp_path / "c.json"), "--input-len", "16", "--output-len", "3",
                  "--batch-size", "1,2", "--dtype", "float32", "--plot", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_prefills_in_the_engines_chunks(tmp_path):
+    """A 40-token prompt prefilled 16 tokens at a time (chunks of 16, 16 and 8 -> a 16-bucket): the bench's greedy
+    tokens are jdeep.generate's with the same prefill chunk."""
+    assert _chunk_lengths(40, 16) == [16] and _chunk_lengths(40, 32) == [16, 32]    # pack_chunk's step lengths
+    assert _chunk_lengths(16384, 256) == [256]                 # a long prompt: one chunk-sized program
+    random_checkpoint(one_layer_config(), str(tmp_path), seed=5)
+    model = jdeep.load(tmp_path)
+    ids = bench_prompts(model.config, 40, [2], seed=3)[0]
+    run, tokens = _run_one(model, ids, 5, 256, 1.0, 16)
+    assert run["prefill_chunk"] == 16 and run["compile_s"]["prefill"] > 0
+    want = jdeep.generate(model, ids.tolist(), max_new_tokens=5, prefill_chunk=16, ignore_eos=True)
+    np.testing.assert_array_equal(tokens, want.tokens)
+
+
+def test_context_sweep_reports_latency_and_state_per_context(tmp_path, capsys):
+    import importlib.util
+
+    (tmp_path / "c.json").write_text(json.dumps(one_layer_config()))
+    plot = importlib.util.find_spec("matplotlib") is not None
+    assert main(["bench", "--random-weights", str(tmp_path / "c.json"), "--context-sweep", "512,64", "--output-len",
+                 "4", "--prefill-chunk", "32", "--dtype", "float32", "--json", str(tmp_path / "r.json")]
+                + (["--plot", str(tmp_path / "p.png")] if plot else [])) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["schema"] == "jdeep.bench/1" and r["runs"] == []
+    sweep = r["context_sweep"]
+    assert [s["context"] for s in sweep] == [64, 512] and [s["state_len"] for s in sweep] == [256, 512]
+    assert [s["prefill_len"] for s in sweep] == [60, 508] and all(s["prefill_chunk"] == 32 for s in sweep)
+    kv = r["model"]["kv_bytes_per_token"]
+    assert np.isclose(sweep[1]["state_bytes"] - sweep[0]["state_bytes"], kv * 256)
+    for s in sweep:
+        assert 0 < s["itl_ms"]["p50"] <= s["itl_ms"]["p99"] and s["prefill_s"] > 0 and s["peak_rss_bytes"] > 0
+    assert "context sweep" in capsys.readouterr().out
+    if plot:
+        assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_context_sweep_rejects_contexts_not_longer_than_the_decode_steps(tmp_path, capsys):
+    (tmp_path / "c.json").write_text(json.dumps(one_layer_config()))
+    assert main(["bench", "--random-weights", str(tmp_path / "c.json"), "--context-sweep", "8", "--output-len",
+                 "8"]) == 2
+    assert "decode_steps" in capsys.readouterr().err

@@ -1,0 +1,74 @@
+"""The server's metric set (GET /metrics): HTTP requests by route and status, requests turned away (429) and timed
+out, tokens, finish reasons, latency histograms and the engine's gauges (slots, waiting requests, steps)."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+from .async_engine import AsyncEngine
+from .metrics import Counter, Gauge, Histogram, Registry
+
+__all__ = ["ServerMetrics", "Latency"]
+
+
+class ServerMetrics:
+    """Every metric the server exports; `render()` is the body of GET /metrics."""
+
+    def __init__(self, aengine: AsyncEngine):
+        r = self.registry = Registry()
+        st = aengine.stats
+        self.requests = r.add(Counter("jdeep_requests_total", "HTTP requests by route and status code",
+                                      ("endpoint", "status")))
+        self.rejected = r.add(Counter("jdeep_requests_rejected_total",
+                                      "Generation requests turned away with 429 (too many waiting for a slot)"))
+        self.timeouts = r.add(Counter("jdeep_request_timeouts_total",
+                                      "Generation requests cancelled at the server's request timeout"))
+        self.finished = r.add(Counter("jdeep_request_finished_total", "Generation requests by finish reason",
+                                      ("finish_reason",)))
+        self.prompt_tokens = r.add(Counter("jdeep_prompt_tokens_total", "Prompt tokens processed"))
+        self.generation_tokens = r.add(Counter("jdeep_generation_tokens_total", "Tokens generated"))
+        self.ttft = r.add(Histogram("jdeep_time_to_first_token_seconds", "Request arrival to its first token"))
+        self.itl = r.add(Histogram("jdeep_inter_token_latency_seconds", "Time between a request's tokens"))
+        self.e2e = r.add(Histogram("jdeep_e2e_request_latency_seconds", "Request arrival to its last token"))
+        self.step = r.add(Histogram("jdeep_engine_step_seconds", "Duration of one engine step"))
+        r.add(Gauge("jdeep_slots_total", "Sequence slots in the engine's pool", lambda: st.slots))
+        r.add(Gauge("jdeep_slots_used", "Slots held by running requests", lambda: st.running))
+        r.add(Gauge("jdeep_requests_waiting", "Requests accepted and waiting for a slot", lambda: aengine.n_waiting))
+        limit = aengine.max_waiting
+        r.add(Gauge("jdeep_requests_waiting_limit", "Waiting requests beyond which new ones get 429 (-1: no limit)",
+                    lambda: -1 if limit is None else limit))
+        r.add(Gauge("jdeep_engine_steps_total", "Engine steps run", lambda: st.steps))
+        aengine.on_step = self.step.observe          # from the engine thread (histograms take a lock)
+
+    def render(self) -> str:
+        """The Prometheus text of every metric."""
+        return self.registry.render()
+
+
+class Latency:
+    """TTFT / ITL / end-to-end latency of one HTTP request, and its tokens and finish reasons when it ends."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m, self.t0, self.last = metrics, time.monotonic(), None
+
+    def tokens(self, n: int, at: float) -> None:
+        """n tokens arrived at time.monotonic() `at`."""
+        if n == 0:
+            return
+        if self.last is None:
+            self.m.ttft.observe(at - self.t0)
+        else:
+            for _ in range(n):
+                self.m.itl.observe((at - self.last) / n)
+        self.last = at
+
+    def done(self, prompt_tokens: int, completion_tokens: int, reasons: Iterable[str]) -> None:
+        """The request ended: its token counts and each choice's finish reason."""
+        self.m.e2e.observe(time.monotonic() - self.t0)
+        self.m.prompt_tokens.inc(prompt_tokens)
+        self.m.generation_tokens.inc(completion_tokens)
+        for r in reasons:
+            self.m.finished.inc(1, r)
+            if r == "timeout":
+                self.m.timeouts.inc()
