@@ -4,6 +4,9 @@ backbone's top-1 at t and t+1, counted against the text — here recomputed from
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,19 +30,26 @@ def folder(tmp_path_factory):
     return folder
 
 
+@functools.partial(jax.jit, static_argnames=("config", "plan"))
+def _mtp_logits(params, tokens, positions, nxt, pos, *, config, plan):
+    """MTP logits [1, T, V] from the backbone's last recorded block output (model_step's layer-by-layer streams)."""
+    T = tokens.shape[1]
+    _, _, rec = model_step(params, empty_state(config, plan, 1, T, jnp.float32), tokens, positions, config=config,
+                           plan=plan, all_logits=True, streams=True)
+    logits, _, _ = mtp_step(params, empty_mtp_state(config, plan, 1, T, jnp.float32), rec["block_out"][-1], nxt, pos,
+                            config=config, plan=plan)
+    return logits
+
+
 def _counts(model, w):
     """(MTP hits vs the text, MTP = backbone top-1 at t+1, backbone hits) of one window run from position 0."""
     T = len(w)
-    config, plan = model.config, model.plan
     tokens, positions = jnp.asarray(w[None]), jnp.arange(T, dtype=jnp.int32)[None]
-    _, _, rec = model_step(model.params, empty_state(config, plan, 1, T, jnp.float32), tokens, positions,
-                           config=config, plan=plan, all_logits=True, streams=True)
     main = np.argmax(jdeep.forward(model, w), -1)
     nxt = np.zeros((1, T), np.int32)
     nxt[0, :-1] = w[1:]
     pos = np.where(np.arange(T) < T - 1, np.arange(T), -1).astype(np.int32)[None]
-    logits, _, _ = mtp_step(model.params, empty_mtp_state(config, plan, 1, T, jnp.float32), rec["block_out"][-1],
-                            nxt, pos, config=config, plan=plan)
+    logits = _mtp_logits(model.params, tokens, positions, nxt, pos, config=model.config, plan=model.plan)
     mtp = np.argmax(np.asarray(logits)[0], -1)
     return (int(np.sum(mtp[:T - 2] == w[2:])), int(np.sum(mtp[:T - 2] == main[1:T - 1])),
             int(np.sum(main[:T - 2] == w[1:T - 1])))
