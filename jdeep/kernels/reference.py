@@ -189,12 +189,13 @@ def expert_down(a: jax.Array, W2: jax.Array) -> jax.Array:
 
 class ExpertGroups(NamedTuple):
     """The (token, slot) rows of a routing grouped by expert, each expert's group padded to whole tiles.
-    order [N]: row -> flat (token, slot) row (the sort's permutation; arange for `expert_groups_nosort`);
+    order [N]: row -> flat (token, slot) row (the sort's permutation; None for `expert_groups_nosort`, whose rows
+    stay in (token, slot) order);
     dest [N]: row -> padded slot; src [n_tiles·tile]: padded slot -> row (N for a padding slot);
     tile_expert int32 [n_tiles]: the one expert of each tile."""
     tile: int
     n_tiles: int
-    order: jax.Array
+    order: jax.Array | None
     dest: jax.Array
     src: jax.Array
     tile_expert: jax.Array
@@ -236,8 +237,8 @@ def expert_groups_nosort(idx: jax.Array, n_experts: int) -> ExpertGroups:
     int32 sum over a bool [T·k, T·k] compare: exact, one fused op; 1536² at batch 256, top-6); its padded slot is
     its expert's group start (exclusive cumsum of the per-expert counts, padded to tiles) plus its rank. The stable
     sort of `expert_groups` puts every row at that same slot (rows of one expert keep their (token, slot) order),
-    so tiles, their rows and their experts are identical. Rows stay in (token, slot) order: order = arange(T·k),
-    src maps a padded slot to a (token, slot) row. Ids outside [0, E) are clamped into it (S12). idx int32 [T, k].
+    so tiles, their rows and their experts are identical. Rows stay in (token, slot) order (order None), src maps
+    a padded slot to a (token, slot) row. Ids outside [0, E) are clamped into it (S12). idx int32 [T, k].
     (A cumsum over a one-hot [T·k, E] gives the same ranks, but XLA lowers it to a reduce_window: (T·k)²·E adds.)"""
     T, k = idx.shape
     N, E = T * k, n_experts
@@ -254,22 +255,25 @@ def expert_groups_nosort(idx: jax.Array, n_experts: int) -> ExpertGroups:
     dest = jnp.clip(dest, 0, n_tiles * tile - 1)
     src = jnp.full((n_tiles * tile,), N, jnp.int32).at[dest].set(row)
     tile_expert = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(n_tiles) * tile)[:, None], axis=1), E - 1)
-    return ExpertGroups(tile, n_tiles, row, dest, src, tile_expert)
+    return ExpertGroups(tile, n_tiles, None, dest, src, tile_expert)
 
 
 def group_rows(xa: jax.Array, weight: jax.Array, g: ExpertGroups) -> tuple[jax.Array, jax.Array]:
     """The grouped rows: xa [T, d] (act-quantised), weight [T, k] -> rows [n_tiles·tile, d] (padding rows 0) and
     their routing weights [n_tiles·tile] (padding 0)."""
     k = weight.shape[1]
-    rows = jnp.concatenate([xa[g.order // k], jnp.zeros((1, xa.shape[1]), xa.dtype)])[g.src]
-    wts = jnp.concatenate([weight.reshape(-1)[g.order], jnp.zeros((1,), weight.dtype)])[g.src]
+    per_row = jnp.repeat(xa, k, axis=0) if g.order is None else xa[g.order // k]
+    w = weight.reshape(-1) if g.order is None else weight.reshape(-1)[g.order]
+    rows = jnp.concatenate([per_row, jnp.zeros((1, xa.shape[1]), xa.dtype)])[g.src]
+    wts = jnp.concatenate([w, jnp.zeros((1,), weight.dtype)])[g.src]
     return rows, wts
 
 
 def ungroup_rows(y: jax.Array, g: ExpertGroups, T: int, k: int) -> jax.Array:
     """Per-row outputs y [n_tiles·tile, d] (fp32) back to the tokens: the sum over each token's k slots [T, d]."""
-    y = y[g.dest]                                                        # sorted rows
-    y = jnp.zeros_like(y).at[g.order].set(y)                             # back to (token, slot) rows
+    y = y[g.dest]                                                        # grouped order
+    if g.order is not None:
+        y = jnp.zeros_like(y).at[g.order].set(y)                         # back to (token, slot) rows
     return jnp.sum(y.reshape(T, k, -1), axis=1)
 
 
@@ -353,22 +357,17 @@ def moe_experts_grouped_nosort(x: jax.Array, idx: jax.Array, weight: jax.Array, 
     """`moe_experts_grouped` without a sort, for decode programs at any T·k (neuron-notes S6: no sort in decode).
 
     Same contract as `moe_experts_gather` (x [T, d], idx int32 [T, k], weight fp32 [T, k], stacks [R, E, ...]
-    -> fp32 [T, d]). The rows are laid out by `expert_groups_nosort` (ranks from a one-hot cumsum), which is
-    `expert_groups`' padded layout, then the same tile scan: for ids in [0, E) the result equals
+    -> fp32 [T, d]). The rows are laid out by `expert_groups_nosort` (ranks from a count of earlier rows), which
+    is `expert_groups`' padded layout, then the same tile scan: for ids in [0, E) the result equals
     `moe_experts_grouped` bit for bit, and no (token, expert) pair is dropped whatever the routing. The
     ranks cost a [T·k, T·k] compare (1536² at batch 256, top-6), so it suits decode sizes; prefill sorts.
     """
     T, k = idx.shape
     q = isinstance(w1, dict)
     g = expert_groups_nosort(idx, stacked_experts(w1))
-
-    def pad(a):                                                          # row N: the padding row (zeros)
-        return jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)])
-
-    rows = pad(jnp.repeat(_act(x, numerics, q), k, axis=0))[g.src]                  # [n_tiles·tile, d]
-    wts = pad(weight.reshape(-1))[g.src]
+    rows, wts = group_rows(_act(x, numerics, q), weight, g)
     y = _grouped_tiles(rows, wts, g, x.dtype, w1, w2, w3, layer, limit, numerics, q)
-    return jnp.sum(y[g.dest].reshape(T, k, -1), axis=1)
+    return ungroup_rows(y, g, T, k)
 
 
 @register("moe_experts_dense")
