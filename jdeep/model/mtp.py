@@ -30,13 +30,23 @@ from ..numerics import Numerics
 from ..plan import LayerPlan
 from ..state import empty_slot_state
 
-__all__ = ["mtp_step", "empty_mtp_state"]
+__all__ = ["mtp_step", "mtp_inputs", "empty_mtp_state"]
 
 
 def empty_mtp_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any,
                     numerics: Numerics | None = None) -> dict:
     """The MTP blocks' fresh window state: {"window": [depths, B, W+1, D | record]}."""
     return empty_slot_state(config, plan.mtp.pattern[0], plan.mtp.reps, batch, max_len, dtype, numerics)
+
+
+def mtp_inputs(tokens: jax.Array, positions: jax.Array, depth: int = 0) -> tuple[jax.Array, jax.Array]:
+    """The token ids and positions MTP block `depth` takes for a chunk the backbone ran from tokens, positions
+    int32 [B, S] (-1 = padding after the real tokens): at position t the token t + depth + 1 (zeros past the
+    chunk), and the positions with -1 wherever that token is not a real one."""
+    shift = depth + 1
+    next_tokens = jnp.pad(tokens[:, shift:], ((0, 0), (0, shift)))
+    has_next = jnp.pad(positions[:, shift:] >= 0, ((0, 0), (0, shift)))
+    return next_tokens, jnp.where(has_next, positions, -1)
 
 
 def mtp_step(params: dict, state: dict, hidden: jax.Array, next_tokens: jax.Array, positions: jax.Array, *,

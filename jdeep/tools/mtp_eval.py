@@ -18,7 +18,7 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from ..model.model import Model
-from ..model.mtp import empty_mtp_state, mtp_step
+from ..model.mtp import empty_mtp_state, mtp_inputs, mtp_step
 from ..model.scan import model_step
 from ..state import empty_state
 
@@ -32,10 +32,9 @@ def _program(config, plan, numerics, dtype, context: int):
         state = empty_state(config, plan, 1, context, dtype, numerics)
         logits, _, aux = model_step(params, state, tokens, positions, config=config, plan=plan, numerics=numerics,
                                     all_logits=True, training=True)
-        next_tokens = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-        has_next = jnp.pad(positions[:, 1:] >= 0, ((0, 0), (0, 1)))
+        next_tokens, mtp_positions = mtp_inputs(tokens, positions)
         mtp_logits, _, _ = mtp_step(params, empty_mtp_state(config, plan, 1, context, dtype, numerics), aux["hidden"],
-                                    next_tokens, jnp.where(has_next, positions, -1), config=config, plan=plan,
+                                    next_tokens, mtp_positions, config=config, plan=plan,
                                     numerics=numerics)
         return logits, mtp_logits
 

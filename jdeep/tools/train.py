@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from ..model.mtp import empty_mtp_state, mtp_step
+from ..model.mtp import empty_mtp_state, mtp_inputs, mtp_step
 from ..model.scan import model_step
 from ..numerics import Numerics
 from ..plan import LayerPlan
@@ -55,6 +55,20 @@ def _nll(logits: jax.Array, targets: jax.Array, mask: jax.Array | None) -> jax.A
     return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
 
 
+def _positions(tokens: jax.Array) -> jax.Array:
+    """Positions int32 [B, T] of rows that are whole sequences from position 0."""
+    B, T = tokens.shape
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
+def _backbone(params: dict, tokens: jax.Array, config: ModelConfig, plan: LayerPlan, training: bool) -> tuple:
+    """model_step over tokens [B, T] from an empty state in float numerics, logits at every position."""
+    B, T = tokens.shape
+    state = empty_state(config, plan, B, T, jnp.float32, Numerics())
+    return model_step(params, state, tokens, _positions(tokens), config=config, plan=plan, numerics=Numerics(),
+                      all_logits=True, training=training)
+
+
 def train_losses(params: dict, tokens: jax.Array, mask: jax.Array | None = None, *, config: ModelConfig,
                  plan: LayerPlan) -> dict[str, jax.Array]:
     """The training objectives of tokens int32 [B, T] (every row a sequence from position 0; mask bool [B, T-1]:
@@ -66,18 +80,15 @@ def train_losses(params: dict, tokens: jax.Array, mask: jax.Array | None = None,
     of token t+k+1)."""
     B, T = tokens.shape
     numerics = Numerics()
-    state = empty_state(config, plan, B, T, jnp.float32, numerics)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, _, aux = model_step(params, state, tokens, positions, config=config, plan=plan, numerics=numerics,
-                                all_logits=True, training=True)
+    positions = _positions(tokens)
+    logits, _, aux = _backbone(params, tokens, config, plan, training=True)
     out = {"lm": _nll(logits[:, :-1], tokens[:, 1:], mask),
            "index_kl": aux["index_kl"][0] / jnp.maximum(aux["index_kl"][1], 1.0)}
     if plan.mtp is not None:
         hidden, mtp_state, losses = aux["hidden"], empty_mtp_state(config, plan, B, T, jnp.float32, numerics), []
         for k in range(plan.mtp.reps):
             shift = k + 1   # block k reads token t+k+1 and predicts token t+k+2
-            next_tokens = jnp.pad(tokens[:, shift:], ((0, 0), (0, shift)))
-            pos = jnp.where(positions < T - shift, positions, -1)
+            next_tokens, pos = mtp_inputs(tokens, positions, k)
             mtp_logits, hidden, mtp_state = mtp_step(params, mtp_state, hidden, next_tokens, pos, config=config,
                                                      plan=plan, numerics=numerics, depth=k)
             losses.append(_nll(mtp_logits[:, :T - shift - 1], tokens[:, shift + 1:],
@@ -90,11 +101,7 @@ def lm_loss(params: dict, tokens: jax.Array, mask: jax.Array | None = None, *, c
             plan: LayerPlan) -> jax.Array:
     """Mean next-token cross-entropy (nats) of tokens int32 [B, T] (mask bool [B, T-1]: the targets that count),
     every row a sequence from position 0, through model_step in float numerics."""
-    B, T = tokens.shape
-    state = empty_state(config, plan, B, T, jnp.float32, Numerics())
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, _ = model_step(params, state, tokens, positions, config=config, plan=plan, numerics=Numerics(),
-                           all_logits=True)
+    logits, _ = _backbone(params, tokens, config, plan, training=False)
     return _nll(logits[:, :-1], tokens[:, 1:], mask)
 
 
