@@ -41,6 +41,7 @@ from .numerics import Numerics
 from .plan import LayerKind, LayerPlan
 
 __all__ = ["slot_state_shapes", "source_state_shapes", "source_index", "init_state", "empty_state", "empty_slot_state",
+           "slot_window", "put_slot_window", "move_slot",
            "state_bytes", "reset_slots"]
 
 State = dict  # {"segments": list (segments) of list (slots) of dict[str, jax.Array], "sources": dict}
@@ -139,6 +140,40 @@ def reset_slots(state: State, mask: jax.Array) -> State:
 
     return {"segments": [[{k: reset(k, v) for k, v in slot.items()} for slot in seg] for seg in state["segments"]],
             "sources": {key: {k: reset(k, v) for k, v in d.items()} for key, d in state["sources"].items()}}
+
+
+def window_start(state: Any, rows: int, start: Any = None) -> jax.Array | int:
+    """The first slot of a window of `rows` sequence slots: 0 without `start`, else the traced int32 `start` clamped
+    so the window lies inside the state's B slots."""
+    if start is None:
+        return 0
+    B = jax.tree_util.tree_leaves(state)[0].shape[1]
+    return jnp.clip(jnp.asarray(start, jnp.int32), 0, B - rows)
+
+
+def slot_window(state: Any, rows: int, start: Any = None) -> Any:
+    """Sequence slots [start, start + rows) of every state leaf ([R, B, ...] -> [R, rows, ...]); `start` a traced
+    int32 scalar (one program serves every window of this size) or None for the first `rows` slots."""
+    first = window_start(state, rows, start)
+    return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, first, rows, axis=1), state)
+
+
+def put_slot_window(state: Any, window: Any, start: Any = None) -> Any:
+    """`state` with `window` (from slot_window, same `start`) written back over its slots, in place when donated;
+    the other slots are neither read nor changed."""
+    rows = jax.tree_util.tree_leaves(window)[0].shape[1]
+    first = window_start(state, rows, start)
+    return jax.tree_util.tree_map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, first, axis=1), state, window)
+
+
+def move_slot(state: State, src: jax.Array, dst: jax.Array) -> State:
+    """The state with slot `src`'s rows copied over slot `dst` (int32 scalars, clamped): how a sequence moves to a
+    lower slot when the engine compacts its pool. `src` keeps its rows (the caller treats it as free)."""
+    B = jax.tree_util.tree_leaves(state)[0].shape[1]
+    src, dst = (jnp.clip(jnp.asarray(i, jnp.int32), 0, B - 1) for i in (src, dst))
+    return jax.tree_util.tree_map(
+        lambda a: jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, src, 1, axis=1), dst, axis=1),
+        state)
 
 
 def state_bytes(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any,

@@ -22,7 +22,7 @@ from ..config import ModelConfig
 from ..numerics import Numerics
 from ..plan import LayerPlan
 from ..platforms import COMPILE_MODES
-from ..state import empty_state, init_state
+from ..state import empty_state, init_state, put_slot_window, slot_window
 from .cache import PROGRAMS, ProgramCache
 from .regions import regions_step
 from .scan import model_step
@@ -45,18 +45,18 @@ def compiled_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_
 
 def compiled_rows_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool, rows: int,
                        layout=None, cache: ProgramCache = PROGRAMS) -> Callable:
-    """A step over the first `rows` sequence slots of a larger state (a batch-size bucket): those rows of
-    every state leaf ([R, B, ...]) are sliced out, stepped and written back in place (state donated); the
-    other slots are neither read nor changed. Tokens, positions and logits have `rows` rows."""
+    """A step over a window of `rows` sequence slots of a larger state (a batch-size bucket): slots [start,
+    start + rows) of every state leaf ([R, B, ...]) are sliced out, stepped and written back in place (state
+    donated); the other slots are neither read nor changed. `start` (keyword, a traced int32 scalar, clamped) makes
+    one program serve every window of this size; None means the first `rows` slots. Tokens, positions and logits
+    have `rows` rows."""
     def make():
         fn = functools.partial(model_step, config=config, plan=plan, numerics=numerics, all_logits=all_logits,
                                layout=layout)
 
-        def step(params, state, tokens, positions, engram=None, embeds=None):
-            sub = jax.tree_util.tree_map(lambda a: a[:, :rows], state)
-            logits, sub = fn(params, sub, tokens, positions, engram, embeds)
-            state = jax.tree_util.tree_map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=1), state,
-                                           sub)
+        def step(params, state, tokens, positions, engram=None, embeds=None, start=None):
+            logits, sub = fn(params, slot_window(state, rows, start), tokens, positions, engram, embeds)
+            state = put_slot_window(state, sub, start)
             return logits, (state if layout is None else layout.constrain_state(state))
 
         return jax.jit(step, donate_argnums=(1,))
@@ -76,8 +76,8 @@ class HostEmbedStep:
         ids = np.clip(np.asarray(tokens), 0, self.table.shape[0] - 1)
         return jnp.asarray(self.table[ids])
 
-    def __call__(self, params, state, tokens, positions, engram=None):
-        return self.step(params, state, tokens, positions, engram, self.embeds(tokens))
+    def __call__(self, params, state, tokens, positions, engram=None, **window):
+        return self.step(params, state, tokens, positions, engram, self.embeds(tokens), **window)
 
 
 @dataclass
@@ -138,7 +138,8 @@ class Model:
 
     def step_fn(self, all_logits: bool, rows: int | None = None) -> Callable:
         """`step(params, state, tokens, positions, engram=None) -> (logits, state)`, state donated. With `rows`,
-        the step runs only the state's first `rows` sequence slots. In the scan mode without host embedding
+        the step runs only a window of `rows` sequence slots: the first ones, or from the keyword `start` (an int32
+        scalar; one program for every start). In the scan mode without host embedding
         this is a jax.jit (it has .lower); otherwise a host-side callable."""
         if self.compile_mode == "regions":
             fn = regions_step(self.config, self.plan, self.numerics, all_logits, rows, self.layout)

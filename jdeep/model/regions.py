@@ -35,7 +35,7 @@ from ..layers.head import embed_streams, head_keys, head_logits, require_engram
 from ..layers.rope import inv_freq
 from ..numerics import Numerics
 from ..plan import LayerKind, LayerPlan
-from ..state import source_index
+from ..state import put_slot_window, slot_window, source_index
 from .cache import PROGRAMS, ProgramCache
 
 __all__ = ["RegionsStep", "regions_step", "n_compiled", "ATTN_KEYS"]
@@ -67,16 +67,16 @@ def _layer_view(stacked: dict, layer: jax.Array) -> dict:
 
 
 def _rows(rows: int | None, fn: Callable) -> Callable:
-    """fn(state, *rest) -> (out, state) run on the state's first `rows` sequence slots ([R, B, ...] leaves),
-    written back in place; the other slots are neither read nor changed."""
+    """fn(state, *rest) -> (out, state) run on a window of `rows` sequence slots of the state ([R, B, ...] leaves),
+    written back in place; the other slots are neither read nor changed. The wrapped program takes the window's
+    first slot as its last argument (a traced int32 scalar, or None for the first `rows` slots)."""
     if rows is None:
         return fn
 
     def wrapped(state, *rest):
-        sub = jax.tree_util.tree_map(lambda a: a[:, :rows], state)
-        out, sub = fn(sub, *rest)
-        return out, jax.tree_util.tree_map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=1),
-                                           state, sub)
+        *rest, start = rest
+        out, sub = fn(slot_window(state, rows, start), *rest)
+        return out, put_slot_window(state, sub, start)
 
     return wrapped
 
@@ -168,8 +168,9 @@ class RegionsStep:
         return self.cache.get(key, lambda: _make_program(name, self.config, self.plan, self.numerics, rows, kind,
                                                          hash_moe, all_logits, self.layout))
 
-    def __call__(self, params, state, tokens, positions, engram=None, embeds=None):
-        return self._run(params, state, tokens, positions, engram, embeds, lambda name, fn, *a: fn(*a))
+    def __call__(self, params, state, tokens, positions, engram=None, embeds=None, start=None):
+        """start: the first slot of the step's window of `rows` slots (an int32 scalar; None: slot 0)."""
+        return self._run(params, state, tokens, positions, engram, embeds, lambda name, fn, *a: fn(*a), start)
 
     def programs(self, params, state, tokens, positions, engram=None, embeds=None) -> list[tuple[str, Callable, tuple]]:
         """[(name, jitted program, args)] of the distinct programs one step calls, args as abstract values
@@ -188,8 +189,9 @@ class RegionsStep:
         """Compiled programs held by this step's region functions (all buckets)."""
         return n_compiled(self.config, self.numerics, self.cache)
 
-    def _run(self, params, state, tokens, positions, engram, embeds, call):
+    def _run(self, params, state, tokens, positions, engram, embeds, call, start=None):
         config, plan = self.config, self.plan
+        window = () if self.rows is None else (start,)
         require_engram(plan, engram)
         s = call("embed", self._fn("embed"), params.get("embed"), tokens, embeds)
         sources = state["sources"]
@@ -206,7 +208,7 @@ class RegionsStep:
                     k = self._scalar(config.engram.layer_ids.index(li)) if kind.engram else None
                     s, (segments[i][j], sources) = call(
                         f"attn.{tag}", self._fn("attn", kind=kind), (segments[i][j], sources), pa, layer, row, s,
-                        engram if kind.engram else None, k, tokens, positions)
+                        engram if kind.engram else None, k, tokens, positions, *window)
                     moe = "hash" if kind.hash_moe else "topk"
                     published = s.published        # the MoE half neither reads nor changes it
                     s = call(f"ffn.{moe}.r{seg.reps}", self._fn("ffn", hash_moe=kind.hash_moe), pf, experts, layer,

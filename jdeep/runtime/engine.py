@@ -1,14 +1,19 @@
-"""Continuous batching over a fixed pool of sequence slots.
+"""Continuous batching over a fixed pool of sequence slots, with chunked prefill mixed into decode.
 
 The decode state is allocated once for `max_num_seqs` slots (a power of two) and `max_len` tokens.
-Requests wait in a queue, take a free slot (its rows of the state are reset, nothing is reallocated),
-prefill in chunks, decode one token per engine step alongside every other running request, and leave
-their slot when they meet their length, a stop token, EOS or a stop string. A step runs the smallest
-power-of-two prefix of the slots that holds every active request (a batch-size bucket; requests take the
-lowest free slot), with one compiled program per (bucket, chunk length) — decode: [bucket, 1], prefill:
-[bucket, chunk bucket]; idle rows inside the bucket carry position -1, so they neither write state nor
-disturb the others: a request's tokens do not depend on its company. (Models with Engram layers always
-step the whole pool: their host-side n-gram histories are per pool row.)
+Requests wait in a queue, take the lowest free slot (its rows of the state are reset, nothing is reallocated),
+prefill in chunks and decode one token per iteration until they meet their length, a stop token, EOS or a stop
+string. Each iteration (`step`) follows scheduler.py: schedule -> run -> postprocess. Every decoding request gets
+its next token from one decode program over the window of slots that holds them ([rows, 1]), and the rest of the
+token budget (`max_num_batched_tokens`) goes to prefill chunks, oldest request first, in one prefill program over
+the window of the slots it serves ([rows, S]); so a long prompt never stops the running streams. Windows are
+aligned power-of-two blocks of slots and one compiled program serves every window of a size (its first slot is a
+traced argument), so the compiled set is a decode program per rows bucket and a prefill program per (rows, chunk
+bucket) within the budget (`warmup` compiles them all). Rows inside a window that the program does not serve carry
+position -1: they neither write state nor disturb the others, so a request's tokens do not depend on its company.
+When requests leave, the highest slots move down into free ones (`move_slot`, one small program) so that long-lived
+requests do not keep a large window alive. (Models with Engram layers step the whole pool: their host-side n-gram
+histories are per pool row. On a device mesh windows start at slot 0, whose batch axis is sharded.)
 
 Bad requests (invalid sampling values, out-of-vocabulary ids, prompts that do not fit) finish at once
 with finish_reason "error" and a message; the engine keeps serving the rest. `check_request` runs the same
@@ -32,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -41,13 +47,14 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from ..model.model import Model
-from ..state import reset_slots
+from ..state import move_slot, reset_slots
 from .requests import Request, RequestError, check_request
 from .sampling import SEED_MAX, SamplingBatch, SamplingParams, batch_params
+from .scheduler import Iteration, Scheduler, Window
 from .steps import batch_bucket, length_bucket, pack_chunk, run_step, sample_program
 from .stops import StopMatcher
 
-__all__ = ["Engine", "RequestOutput"]
+__all__ = ["Engine", "RequestOutput", "IterationStats", "default_batched_tokens"]
 
 log = logging.getLogger("jdeep.engine")
 
@@ -62,6 +69,18 @@ class RequestOutput:
                                          # another reason given to `abort`, e.g. a server's "timeout")
     error: str | None = None
     text: str | None = None              # the generated text so far (cut before a stop string), given a tokenizer
+    queue_time: float | None = None      # seconds from add_request until it took a slot
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    """What one engine iteration scheduled: tokens decoded and prompt tokens prefilled, the token positions its
+    programs computed (padding included; bounded by the budget), and the queue times of the requests it admitted."""
+
+    decode_tokens: int
+    prefill_tokens: int
+    cost: int
+    queue_times: tuple[float, ...] = ()
 
 
 @dataclass
@@ -70,6 +89,8 @@ class _Slot:
     request: Request
     matcher: StopMatcher | None = None   # the text: incremental detokenisation and stop strings
     prefilled: int = 0                   # prompt tokens already in the state
+    order: int = 0                       # arrival rank (the scheduler serves older prompts first)
+    arrived: float = 0.0                 # time.monotonic() at add_request
 
     @property
     def params(self) -> SamplingParams:
@@ -80,8 +101,11 @@ class Engine:
     """engine = Engine(model, max_num_seqs=8); engine.add_request(ids, SamplingParams(...)); engine.run()."""
 
     def __init__(self, model: Model, max_num_seqs: int = 8, max_len: int = 2048, prefill_chunk: int = 256,
-                 seed: int = 0, ignore_eos: bool = False, tokenizer=None):
-        """tokenizer: for text prompts, stop strings and RequestOutput.text (default: model.tokenizer)."""
+                 seed: int = 0, ignore_eos: bool = False, tokenizer=None, max_num_batched_tokens: int | None = None):
+        """prefill_chunk: the longest prefill chunk (rounded down to a power of two). max_num_batched_tokens: token
+        positions one iteration may compute, decode rows first (default_batched_tokens: a full decode window plus
+        one longest chunk). tokenizer: for text prompts, stop strings and RequestOutput.text (default:
+        model.tokenizer)."""
         if max_num_seqs < 1 or max_len < 2 or prefill_chunk < 1:
             raise ValueError(f"max_num_seqs, max_len and prefill_chunk must be positive, got {max_num_seqs}, "
                              f"{max_len}, {prefill_chunk}")
@@ -92,7 +116,12 @@ class Engine:
         self.model = model
         self.n_slots = batch_bucket(max_num_seqs)
         self.max_len = max_len
-        self.chunk = prefill_chunk
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = default_batched_tokens(self.n_slots, prefill_chunk)
+        mode = "pool" if model.engram is not None else "prefix" if model.layout is not None else "aligned"
+        self.scheduler = Scheduler(self.n_slots, max_num_batched_tokens, prefill_chunk, mode)
+        self.chunk = self.scheduler.max_chunk
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.seed = seed
         self.eos = None if ignore_eos else model.config.eos_token_id
         self.state = model.init_state(self.n_slots, length_bucket(max_len, 256))
@@ -106,7 +135,9 @@ class Engine:
         self._rows = SamplingBatch(*(np.array(a) for a in batch_params([SamplingParams()] * self.n_slots)))
         self._last = np.zeros(self.n_slots, np.int32)
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
-        self.steps_per_bucket: dict[int, int] = {}    # engine steps run at each batch-size bucket
+        self.steps_per_bucket: dict[int, int] = {}    # step programs run at each window size (rows)
+        self.on_iteration: Callable[[IterationStats], None] | None = None   # called after each iteration
+        self.totals = {"iterations": 0, "decode_tokens": 0, "prefill_tokens": 0, "slot_moves": 0}
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt: Sequence[int] | str, sampling: SamplingParams | None = None) -> Request:
@@ -136,7 +167,7 @@ class Engine:
         if request.params.seed is None:
             request = dataclasses.replace(request, params=dataclasses.replace(
                 request.params, seed=(self.seed + self._n_added - 1) % (SEED_MAX + 1)))
-        slot = _Slot(out, request)
+        slot = _Slot(out, request, order=self._n_added, arrived=time.monotonic())
         try:
             if self.tokenizer is not None:
                 out.text = ""
@@ -203,10 +234,12 @@ class Engine:
         return bool(self.waiting) or any(s is not None for s in self.slots)
 
     # ------------------------------------------------------------------ stepping
-    def _admit(self) -> list[RequestOutput]:
-        """Move waiting requests into free slots; returns those that failed on the way."""
+    def _admit(self) -> tuple[list[RequestOutput], list[float]]:
+        """Move waiting requests into the lowest free slots; returns those that failed on the way and the queue
+        times of those admitted."""
         free = [i for i, s in enumerate(self.slots) if s is None]
-        taken, failed = [], []
+        taken, failed, waited = [], [], []
+        now = time.monotonic()
         while free and self.waiting:
             slot = self.waiting.popleft()
             try:
@@ -217,6 +250,8 @@ class Engine:
                 continue
             i = free.pop(0)
             self.slots[i] = slot
+            slot.out.queue_time = now - slot.arrived
+            waited.append(slot.out.queue_time)
             for dst, src in zip(self._rows, row):
                 dst[i] = src[0]
             taken.append(i)
@@ -226,7 +261,24 @@ class Engine:
             self.state = _reset(self.state, self.model.put(mask))
             if self.history is not None:
                 self.history.reset(taken)
-        return failed
+        return failed, waited
+
+    def _compact(self) -> None:
+        """Move requests from the highest slots into free lower ones until they fit the smallest window that can
+        hold them all (a copy of each moved slot's state rows; not for whole-pool models)."""
+        if self.scheduler.window_mode == "pool":
+            return
+        used = [i for i, s in enumerate(self.slots) if s is not None]
+        target = batch_bucket(len(used)) if used else 1
+        free = [i for i in range(target) if self.slots[i] is None]
+        for src in sorted((i for i in used if i >= target), reverse=True):
+            dst = free.pop(0)
+            self.state = _move(self.state, self.model.put(np.int32(src)), self.model.put(np.int32(dst)))
+            self.slots[dst], self.slots[src] = self.slots[src], None
+            for a in self._rows:
+                a[dst] = a[src]
+            self._last[dst] = self._last[src]
+            self.totals["slot_moves"] += 1
 
     def _sampling_row(self, slot: _Slot) -> SamplingBatch:
         """One request's sampling values and PRNG key as a 1-row host batch (host work for one request)."""
@@ -236,29 +288,26 @@ class Engine:
         """Sampling values on the host: a bucket's rows are a numpy slice, not a device program."""
         return SamplingBatch(*(np.asarray(a) for a in batch_params(params, len(params))))
 
-    def _bucket(self, rows: list[int]) -> int:
-        """The batch-size bucket holding `rows`: the smallest power of two > max(rows) (the pool without one)."""
-        if self.model.engram is not None:
-            return self.n_slots
-        return min(self.n_slots, batch_bucket(max(rows) + 1))
-
-    def _run(self, toks: np.ndarray, pos: np.ndarray, rows: list[int]) -> jax.Array:
-        """One step of the bucket holding `rows` (toks, pos: [n_slots, S]); returns logits [bucket, V]."""
-        n = self._bucket(rows)
-        self.steps_per_bucket[n] = self.steps_per_bucket.get(n, 0) + 1
-        logits, self.state = run_step(self.model, self.state, toks[:n], pos[:n], self.history,
-                                      rows=None if n == self.n_slots else n)
+    def _run(self, toks: np.ndarray, pos: np.ndarray, window: Window) -> jax.Array:
+        """One step program over `window` (toks, pos: int32 [window.rows, S]); returns logits [window.rows, V]."""
+        self.steps_per_bucket[window.rows] = self.steps_per_bucket.get(window.rows, 0) + 1
+        if window.rows == self.n_slots:
+            logits, self.state = run_step(self.model, self.state, toks, pos, self.history)
+        else:
+            logits, self.state = run_step(self.model, self.state, toks, pos, self.history, rows=window.rows,
+                                          start=window.start)
         return logits
 
-    def _emit(self, logits: jax.Array, rows: list[int]) -> list[RequestOutput]:
-        n = logits.shape[0]
-        counts = np.array([len(s.out.tokens) if s is not None else 0 for s in self.slots[:n]], np.int32)
-        sb = SamplingBatch(*(a[:n] for a in self._rows))
+    def _emit(self, logits: jax.Array, window: Window, rows: list[int]) -> list[RequestOutput]:
+        """Sample the next token of each slot in `rows` from the window's logits [window.rows, V]; push it."""
+        lo, hi = window.start, window.start + window.rows
+        counts = np.array([len(s.out.tokens) if s is not None else 0 for s in self.slots[lo:hi]], np.int32)
+        sb = SamplingBatch(*(a[lo:hi] for a in self._rows))
         nxt = self.model.fetch(sample_program()(*self.model.to_sampler((logits, sb, counts))))
         done = []
         for i in rows:
             s = self.slots[i]
-            t = int(nxt[i])
+            t = int(nxt[i - lo])
             self._last[i] = t
             try:
                 finished = self._push_token(s, t)
@@ -287,47 +336,72 @@ class Engine:
         return reason is not None
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration: admit waiting requests, then either one prefill chunk (while any admitted
-        prompt is incomplete) or one decode step for every running request. Returns requests finished now."""
-        failed = self._admit()
-        return failed + self._step()
+        """One engine iteration: admit waiting requests, then one decode step for every request past its prompt and
+        prefill chunks for the others within the token budget (scheduler.py). Returns requests finished now."""
+        failed, waited = self._admit()
+        self._compact()
+        it = self.schedule()
+        done = failed + self._decode(it) + self._prefill(it)
+        self.totals["iterations"] += 1
+        self.totals["decode_tokens"] += it.decode_tokens
+        self.totals["prefill_tokens"] += it.prefill_tokens
+        if self.on_iteration is not None:
+            self.on_iteration(IterationStats(it.decode_tokens, it.prefill_tokens, it.cost, tuple(waited)))
+        return done
 
-    def _step(self) -> list[RequestOutput]:
-        prefilling = [i for i, s in enumerate(self.slots) if s is not None and s.prefilled < len(s.out.prompt)]
-        if prefilling:
-            prompts = [s.request.ids if i in prefilling else None for i, s in enumerate(self.slots)]
-            toks, pos, taken = pack_chunk(prompts, [s.prefilled if s else 0 for s in self.slots], self.n_slots,
-                                          self.chunk)
-            for i in prefilling:
-                self.slots[i].prefilled += int(taken[i])
-            logits = self._run(toks, pos, prefilling)
-            return self._emit(logits, [i for i in prefilling if self.slots[i].prefilled == len(self.slots[i].out.prompt)])
-        running = [i for i, s in enumerate(self.slots) if s is not None]
-        if not running:
+    def schedule(self) -> Iteration:
+        """The next iteration's plan for the slots as they are (scheduler.Scheduler.schedule)."""
+        remaining = [None if s is None else len(s.out.prompt) - s.prefilled for s in self.slots]
+        return self.scheduler.schedule(remaining, [s.order if s is not None else 0 for s in self.slots])
+
+    def _decode(self, it: Iteration) -> list[RequestOutput]:
+        if not it.decode:
             return []
-        toks = np.where([s is not None for s in self.slots], self._last, 0).astype(np.int32)[:, None]
-        pos = np.full((self.n_slots, 1), -1, np.int32)
-        for i in running:
+        w = it.decode_window
+        toks = np.zeros((w.rows, 1), np.int32)
+        pos = np.full((w.rows, 1), -1, np.int32)
+        for i in it.decode:
             s = self.slots[i]
-            pos[i, 0] = len(s.out.prompt) + len(s.out.tokens) - 1
-        return self._emit(self._run(toks, pos, running), running)
+            toks[i - w.start, 0] = self._last[i]
+            pos[i - w.start, 0] = len(s.out.prompt) + len(s.out.tokens) - 1
+        return self._emit(self._run(toks, pos, w), w, it.decode)
+
+    def _prefill(self, it: Iteration) -> list[RequestOutput]:
+        if not it.prefill:
+            return []
+        w = it.prefill_window
+        prompts = [self.slots[i].request.ids if i in it.prefill else None for i in range(w.start, w.start + w.rows)]
+        done = [self.slots[i].prefilled if i in it.prefill else 0 for i in range(w.start, w.start + w.rows)]
+        toks, pos, taken = pack_chunk(prompts, done, w.rows, it.chunk)
+        assert toks.shape[1] == it.chunk and all(taken[i - w.start] == n for i, n in it.prefill.items())
+        for i, n in it.prefill.items():
+            self.slots[i].prefilled += n
+        logits = self._run(toks, pos, w)
+        ended = [i for i in it.prefill if self.slots[i].prefilled == len(self.slots[i].out.prompt)]
+        return self._emit(logits, w, sorted(ended))
 
     def warmup(self) -> int:
-        """Compile every program serving can reach before the first request: for each batch-size bucket, the
-        decode step, each prefill chunk-length bucket and the sampler. Rows carry position -1, so the state
-        and the requests in it are untouched. Returns the number of programs run."""
-        buckets = sorted({self._bucket([n - 1]) for n in (1 << k for k in range(self.n_slots.bit_length()))})
-        lengths = sorted({1} | {length_bucket(k) for k in range(1, self.chunk + 1)})
+        """Compile every program serving can reach before the first request: the decode step of each window size,
+        each (window size, chunk bucket) prefill step the scheduler can choose, the sampler per window size and the
+        slot move. Rows carry position -1, so the state and the requests in it are untouched. Returns the number
+        of programs run."""
         counts = dict(self.steps_per_bucket)
         self.state = _reset(self.state, self.model.put(np.zeros(self.n_slots, bool)))
-        for n in buckets:
-            for S in lengths:
-                toks = np.zeros((self.n_slots, S), np.int32)
-                logits = self._run(toks, np.full((self.n_slots, S), -1, np.int32), [n - 1])
+        steps = [(n, 1) for n in self.scheduler.decode_programs()] + self.scheduler.prefill_programs()
+        logits = {}
+        for n, S in steps:
+            logits[n] = self._run(np.zeros((n, S), np.int32), np.full((n, S), -1, np.int32), Window(0, n))
+        for n in self.scheduler.decode_programs():      # on a step's own logits (placed as in serving)
             sb = self._host_batch([SamplingParams()] * n)
-            sample_program()(*self.model.to_sampler((logits, sb, np.zeros(n, np.int32)))).block_until_ready()
+            sample_program()(*self.model.to_sampler((logits[n], sb, np.zeros(n, np.int32))))
+        n_moves = 0
+        if self.scheduler.window_mode != "pool":
+            zero = self.model.put(np.int32(0))
+            self.state = _move(self.state, zero, zero)
+            n_moves = 1
+        jax.block_until_ready(self.state)
         self.steps_per_bucket = counts
-        return len(buckets) * (len(lengths) + 1)
+        return len(steps) + len(self.scheduler.decode_programs()) + n_moves
 
     def run(self, on_finish: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:
         """Step until every queued request has finished; returns all outputs by request id."""
@@ -339,6 +413,18 @@ class Engine:
                 if on_finish is not None:
                     on_finish(out)
         return self.outputs
+
+
+def default_batched_tokens(n_slots: int, prefill_chunk: int) -> int:
+    """The default token budget of one iteration: a full decode window plus one longest prefill chunk, so a long
+    prompt prefills at full chunk length while every slot decodes (the streams' inter-token latency is then about
+    one decode step plus one chunk; a smaller --max-num-batched-tokens trades the prompt's TTFT for it)."""
+    return n_slots + max(16, 1 << (int(prefill_chunk).bit_length() - 1))
+
+
+def _move(state: dict, src, dst) -> dict:
+    """The state with slot src copied over slot dst (int32 scalars; one program; the state donated)."""
+    return PROGRAMS.jit(move_slot, donate_argnums=(0,))(state, src, dst)
 
 
 def _reset(state: dict, mask) -> dict:

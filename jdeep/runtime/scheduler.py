@@ -1,0 +1,141 @@
+"""What one engine iteration runs: every decoding sequence gets its next token, and the rest of a token budget
+goes to prefill chunks, oldest request first (chunked prefill mixed with decode, as vLLM's and SGLang's schedulers
+do), so a long prompt never freezes the running streams.
+
+An iteration is at most two programs over windows of the pool's sequence slots: the decode step ([rows, 1]) over the
+window holding every decoding slot, and one prefill step ([rows, S]) over the window holding the slots prefilled
+this iteration. A window is `rows` slots from `start`, rows a power of two and start a multiple of it (an aligned
+block), so the compiled set is one decode program per rows bucket and one prefill program per (rows, chunk bucket)
+with rows x chunk within the budget: finite and known at warm-up. The budget counts what the programs compute: the
+decode window's rows plus the prefill window's rows x chunk length (padding included). Whatever the budget, the
+oldest prompt takes at least one minimum chunk (16 tokens) each iteration: no request starves.
+
+`Scheduler.schedule` is pure bookkeeping over the slots (no model, no device), tested on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .steps import MIN_BUCKET, length_bucket
+
+__all__ = ["Window", "Iteration", "Scheduler", "covering_window", "floor_pow2"]
+
+
+@dataclass(frozen=True)
+class Window:
+    """Sequence slots [start, start + rows) of the pool."""
+
+    start: int
+    rows: int
+
+    def __contains__(self, slot: int) -> bool:
+        return self.start <= slot < self.start + self.rows
+
+
+@dataclass
+class Iteration:
+    """One iteration's plan. decode: the slots decoding a token (ascending); prefill: slot -> prompt tokens it takes
+    (oldest request first); chunk: the prefill program's length bucket S."""
+
+    decode: list[int] = field(default_factory=list)
+    decode_window: Window | None = None
+    prefill: dict[int, int] = field(default_factory=dict)
+    prefill_window: Window | None = None
+    chunk: int = 0
+
+    @property
+    def decode_tokens(self) -> int:
+        return len(self.decode)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(self.prefill.values())
+
+    @property
+    def cost(self) -> int:
+        """Token positions the iteration's programs compute (padding included)."""
+        return ((self.decode_window.rows if self.decode_window else 0)
+                + (self.prefill_window.rows * self.chunk if self.prefill_window else 0))
+
+
+def floor_pow2(n: int) -> int:
+    """Largest power of two <= n (n >= 1)."""
+    return 1 << (int(n).bit_length() - 1)
+
+
+def covering_window(slots: Sequence[int], n_slots: int, mode: str = "aligned") -> Window:
+    """The smallest window holding `slots` (non-empty). mode "aligned": an aligned power-of-two block; "prefix": the
+    first power-of-two slots (a mesh, whose slots are sharded, slices only from slot 0); "pool": every slot (models
+    with Engram keep per-pool-row n-gram histories on the host)."""
+    lo, hi = min(slots), max(slots)
+    if mode == "pool":
+        return Window(0, n_slots)
+    if mode == "prefix":
+        return Window(0, min(n_slots, 1 << hi.bit_length()))
+    rows = 1
+    while lo // rows != hi // rows:
+        rows *= 2
+    return Window(lo // rows * rows, rows)
+
+
+class Scheduler:
+    """Plans iterations for a pool of `n_slots` slots (a power of two) under a budget of `max_batched_tokens` token
+    positions per iteration, with prefill chunks of at most `max_chunk` tokens (rounded down to a power of two)."""
+
+    def __init__(self, n_slots: int, max_batched_tokens: int, max_chunk: int, window_mode: str = "aligned"):
+        if n_slots < 1 or n_slots & (n_slots - 1):
+            raise ValueError(f"n_slots must be a power of two, got {n_slots}")
+        if max_chunk < 1:
+            raise ValueError(f"the prefill chunk must be positive, got {max_chunk}")
+        if max_batched_tokens < MIN_BUCKET:
+            raise ValueError(f"max_num_batched_tokens must be at least {MIN_BUCKET} (one minimum prefill chunk), "
+                             f"got {max_batched_tokens}")
+        if window_mode not in ("aligned", "prefix", "pool"):
+            raise ValueError(f"unknown window mode {window_mode!r}")
+        self.n_slots, self.budget, self.window_mode = n_slots, max_batched_tokens, window_mode
+        self.max_chunk = max(MIN_BUCKET, floor_pow2(max_chunk))
+
+    def window(self, slots: Sequence[int]) -> Window:
+        return covering_window(slots, self.n_slots, self.window_mode)
+
+    def schedule(self, remaining: Sequence[int | None], order: Sequence[int] | None = None) -> Iteration:
+        """remaining[i]: prompt tokens slot i still has to prefill (0: it decodes; None: the slot is free).
+        order[i]: its request's arrival rank (lower = older; default the slot index)."""
+        it = Iteration()
+        it.decode = [i for i, r in enumerate(remaining) if r == 0]
+        if it.decode:
+            it.decode_window = self.window(it.decode)
+        waiting = sorted((i for i, r in enumerate(remaining) if r), key=lambda i: (order or range(len(remaining)))[i])
+        if not waiting:
+            return it
+        left = self.budget - (it.decode_window.rows if it.decode_window else 0)
+        first = waiting[0]
+        window = self.window([first])
+        cap = min(self.max_chunk, max(MIN_BUCKET, floor_pow2(max(1, left // window.rows))))
+        it.chunk = length_bucket(min(remaining[first], cap))
+        it.prefill = {first: min(remaining[first], it.chunk)}
+        for i in waiting[1:]:           # younger prompts share the oldest one's chunk length where the budget allows
+            wider = self.window(list(it.prefill) + [i])
+            if wider.rows * it.chunk <= left:
+                window = wider
+                it.prefill[i] = min(remaining[i], it.chunk)
+        it.prefill_window = window
+        return it
+
+    def prefill_programs(self) -> list[tuple[int, int]]:
+        """Every (rows, chunk) prefill program `schedule` can choose, for warm-up."""
+        rows = [self.n_slots] if self.window_mode == "pool" else [1 << k for k in range(self.n_slots.bit_length())]
+        out = []
+        for n in rows:
+            S = MIN_BUCKET
+            while S <= self.max_chunk:
+                if n * S <= max(self.budget, n * MIN_BUCKET):
+                    out.append((n, S))
+                S *= 2
+        return out
+
+    def decode_programs(self) -> list[int]:
+        """Every decode window size `schedule` can choose, for warm-up."""
+        return [self.n_slots] if self.window_mode == "pool" else [1 << k for k in range(self.n_slots.bit_length())]

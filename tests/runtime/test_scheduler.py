@@ -1,0 +1,78 @@
+"""The iteration scheduler on its own (no model): every decoding slot is served each iteration, prefill chunks go
+oldest first within the token budget, no prompt starves, and every plan is one of the programs warm-up compiles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jdeep.runtime.scheduler import Scheduler, Window, covering_window
+
+
+def test_covering_windows():
+    assert covering_window([5], 8) == Window(5, 1)
+    assert covering_window([4, 5], 8) == Window(4, 2)
+    assert covering_window([3, 4], 8) == Window(0, 8)          # aligned blocks: 3 and 4 meet only in [0, 8)
+    assert covering_window([2, 3, 1], 8) == Window(0, 4)
+    assert covering_window([5], 8, "prefix") == Window(0, 8)
+    assert covering_window([2], 8, "prefix") == Window(0, 4)
+    assert covering_window([1], 8, "pool") == Window(0, 8)
+
+
+def test_decode_rows_first_then_oldest_prompt_gets_the_rest():
+    sch = Scheduler(8, max_batched_tokens=8 + 256, max_chunk=256)
+    it = sch.schedule([0, 0, 4000, 0, 0, None, None, None])
+    assert it.decode == [0, 1, 3, 4] and it.decode_window == Window(0, 8)
+    assert it.prefill == {2: 256} and it.prefill_window == Window(2, 1) and it.chunk == 256
+    assert it.cost == 8 + 256
+    # a tighter budget: the chunk shrinks to the largest power of two that fits beside the decode window
+    it = Scheduler(8, max_batched_tokens=200, max_chunk=256).schedule([0, 0, 4000, 0, 0, None, None, None])
+    assert it.chunk == 128 and it.prefill == {2: 128} and it.cost <= 200
+
+
+def test_oldest_prompt_first_and_short_prompts_share_its_chunk():
+    sch = Scheduler(8, max_batched_tokens=512, max_chunk=512)
+    # slot 3 arrived first (order 0) with 20 tokens left; slots 0-2 later
+    it = sch.schedule([30, 500, 12, 20, None, None, None, None], order=[1, 2, 3, 0, 0, 0, 0, 0])
+    assert it.chunk == 32 and it.prefill[3] == 20
+    assert it.prefill == {3: 20, 0: 30, 1: 32, 2: 12} and it.prefill_window == Window(0, 4)
+    assert it.prefill_window.rows * it.chunk <= 512
+
+
+def test_the_oldest_prompt_always_progresses():
+    # a budget the decode window alone uses up: the oldest prompt still takes one minimum chunk
+    it = Scheduler(8, max_batched_tokens=16, max_chunk=256).schedule([0] * 7 + [100])
+    assert it.decode == list(range(7)) and it.prefill == {7: 16}
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Scheduler(8, max_batched_tokens=8, max_chunk=256)
+
+
+@pytest.mark.parametrize("mode", ["aligned", "prefix", "pool"])
+def test_random_pools_serve_everyone_within_the_compiled_set(mode):
+    rng = np.random.default_rng(0)
+    for budget, chunk in [(24, 16), (264, 256), (100, 64), (4096, 512)]:
+        sch = Scheduler(8, budget, chunk, mode)
+        programs = set(sch.prefill_programs())
+        decode_programs = set(sch.decode_programs())
+        for _ in range(300):
+            remaining = [None if rng.random() < 0.3 else 0 if rng.random() < 0.5 else int(rng.integers(1, 3000))
+                         for _ in range(8)]
+            order = rng.permutation(8).tolist()
+            it = sch.schedule(remaining, order)
+            assert it.decode == [i for i, r in enumerate(remaining) if r == 0]
+            assert all(i in it.decode_window for i in it.decode)
+            if it.decode:
+                assert it.decode_window.rows in decode_programs
+            waiting = [i for i, r in enumerate(remaining) if r]
+            if not waiting:
+                assert not it.prefill
+                continue
+            oldest = min(waiting, key=lambda i: order[i])
+            assert oldest in it.prefill and it.prefill[oldest] >= min(remaining[oldest], 16)
+            assert all(0 < n <= min(remaining[i], it.chunk) for i, n in it.prefill.items())
+            assert all(i in it.prefill_window for i in it.prefill)
+            assert (it.prefill_window.rows, it.chunk) in programs
+            w = it.prefill_window
+            assert w.start % w.rows == 0 and w.start + w.rows <= 8
+            # within the budget, unless the oldest prompt alone takes the one minimum chunk it is always owed
+            assert it.cost <= budget or (it.chunk == 16 and list(it.prefill) == [oldest])
