@@ -69,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint folder's")
     sv.add_argument("--max-num-seqs", type=int, default=8, help="engine slots (requests decoded together)")
     sv.add_argument("--max-len", type=int, default=4096, help="longest prompt + completion, in tokens")
-    sv.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step")
+    sv.add_argument("--prefill-chunk", type=int, default=256, help="longest prefill chunk, in tokens (a power of two)")
+    sv.add_argument("--max-num-batched-tokens", type=int,
+                    help="token positions one engine iteration may compute: every running request decodes, prompts "
+                         "prefill in what is left, oldest first (default: max-num-seqs + prefill-chunk; smaller "
+                         "lowers the streams' inter-token latency while long prompts prefill, at their TTFT's cost)")
     sv.add_argument("--seed", type=int, default=0, help="base seed of requests sent without one")
     sv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="compile every batch-size and prefill-length bucket before serving (default on: no compile "
@@ -103,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
                                            "batch-size sweep, inter-token latency and decode-state bytes against the "
                                            "context at batch 1 (each context prefilled in chunks, then --output-len "
                                            "decode steps timed at its end)")
+    b.add_argument("--mixed", type=int, metavar="LONG_LEN",
+                   help="instead of the batch-size sweep, the engine under a mixed load: --mixed-streams requests "
+                        "decode while a LONG_LEN-token prompt arrives; the streams' inter-token latency, stalls and "
+                        "the prompt's TTFT (alone and mixed) per --mixed-chunks")
+    b.add_argument("--mixed-streams", type=int, default=4, help="streams decoding in --mixed (default 4)")
+    b.add_argument("--mixed-chunks", default=str(PREFILL_CHUNK),
+                   help="comma-separated prefill chunk lengths for --mixed; each runs with the engine's default "
+                        f"token budget, slots + chunk (default {PREFILL_CHUNK})")
     b.add_argument("--prompts-file", help="JSONL with prompt_ids per line instead of random prompts")
     b.add_argument("--seed", type=int, default=0)
     add_load_args(b, "dtype", dtype={"default": None, "help": "default: float32 on CPU (XLA:CPU emulates bfloat16 "

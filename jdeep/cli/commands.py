@@ -22,14 +22,16 @@ from ..param_spec import weight_formats
 from ..presets import BENCH_DEFAULT_CONFIG, TINY_CONFIG, preset, tiny_v41_config
 from ..runtime.engine import Engine
 from ..runtime.sampling import SamplingParams
+from ..runtime.steps import MIN_BUCKET
 from ..serve.server import ServerSettings, serve
 from ..sharding import parse_mesh
-from ..tools.bench import format_report, plot_sweep, run_bench, run_context_sweep
+from ..tools.bench import result_head, format_report, plot_sweep, run_bench, run_context_sweep
 from ..tools.compare import hf_config, require_transformers  # imports torch only when called
 from ..tools.evaluate import NUMERICS_MODES, compare, format_table, load_modes, read_texts
 from ..tools.export import export_programs, model_info
 from ..tools.graphcheck import Limits, check_lowered
 from ..tools.info import device_footprint, mesh_summary, summary
+from ..tools.mixed_load import run_mixed
 from ..tools.mtp_eval import format_mtp_table, mtp_accuracy
 from ..tools.programs import Target, chunk_buckets, model_programs
 from ..tools.random_weights import random_checkpoint
@@ -198,6 +200,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.max_waiting is not None and args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < MIN_BUCKET:
+        raise ValueError(f"--max-num-batched-tokens must be at least {MIN_BUCKET} (one minimum prefill chunk), got "
+                         f"{args.max_num_batched_tokens}")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
     if not os.path.isdir(args.model):
@@ -205,7 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = load(args.model, **load_kwargs(args, progress=True))
     tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else model.tokenizer
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                    seed=args.seed, tokenizer=tokenizer)
+                    seed=args.seed, tokenizer=tokenizer, max_num_batched_tokens=args.max_num_batched_tokens)
     if args.warmup:
         t0 = time.perf_counter()
         n = engine.warmup()
@@ -213,7 +218,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     created = int(os.path.getmtime(os.path.join(args.model, "config.json")))
-    print(f"jdeep serve: {name} on http://{args.host}:{args.port}/v1 ({engine.n_slots} slots, max_len {args.max_len}"
+    print(f"jdeep serve: {name} on http://{args.host}:{args.port}/v1 ({engine.n_slots} slots, max_len {args.max_len}, "
+          f"{engine.max_num_batched_tokens} tokens per iteration"
           f"{', API key required' if args.api_key else ''}{'' if tokenizer else ', no tokenizer: token-id prompts only'})",
           file=sys.stderr, flush=True)
     settings = ServerSettings(name, args.api_key, args.max_body_bytes, created, max_waiting=args.max_waiting,
@@ -237,6 +243,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if contexts is not None and (args.compare or args.prompts_file):
         raise SystemExit("jdeep bench: --context-sweep runs random prompts at batch 1; it takes neither --compare nor "
                          "--prompts-file")
+    mixed_chunks = parse_ints(args.mixed_chunks, "--mixed-chunks") if args.mixed is not None else None
+    if args.mixed is not None and (contexts is not None or args.compare or args.prompts_file):
+        raise SystemExit("jdeep bench: --mixed runs random prompts through the engine; it takes none of "
+                         "--context-sweep, --compare, --prompts-file")
     if args.dtype is None:
         args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     with tempfile.TemporaryDirectory() as tmp:
@@ -255,7 +265,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.prompts_file:
             with open(args.prompts_file, encoding="utf-8") as f:
                 prompts = [json.loads(ln)["prompt_ids"] for ln in f if ln.strip()]
-        if contexts is not None:
+        if mixed_chunks is not None:
+            result = result_head(model, None)
+            result["runs"] = []
+            result["mixed"] = run_mixed(model, args.mixed, args.mixed_streams, mixed_chunks, seed=args.seed,
+                                        progress=_mixed_progress)
+        elif contexts is not None:
             result = run_context_sweep(model, contexts, args.output_len, seed=args.seed,
                                        prefill_chunk=args.prefill_chunk, progress=_sweep_progress)
         else:
@@ -272,6 +287,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ImportError:
             raise SystemExit("jdeep bench: --plot needs matplotlib (pip install matplotlib)") from None
     return 0
+
+
+def _mixed_progress(r: dict) -> None:
+    print(f"chunk {r['prefill_chunk']}: {r['stalls']} stalls, streams' ITL p99 {r['itl_ms']['p99']:.1f} ms, TTFT "
+          f"{r['ttft_s']:.2f} s ({r['ttft_ratio']:.2f} x alone)", file=sys.stderr, flush=True)
 
 
 def _sweep_progress(r: dict) -> None:

@@ -172,9 +172,10 @@ class RegionsStep:
         """start: the first slot of the step's window of `rows` slots (an int32 scalar; None: slot 0)."""
         return self._run(params, state, tokens, positions, engram, embeds, lambda name, fn, *a: fn(*a), start)
 
-    def programs(self, params, state, tokens, positions, engram=None, embeds=None) -> list[tuple[str, Callable, tuple]]:
+    def programs(self, params, state, tokens, positions, engram=None, embeds=None, start=None
+                 ) -> list[tuple[str, Callable, tuple]]:
         """[(name, jitted program, args)] of the distinct programs one step calls, args as abstract values
-        (inputs may be arrays or jax.ShapeDtypeStruct)."""
+        (inputs may be arrays or jax.ShapeDtypeStruct; `start` as in __call__)."""
         found: dict[str, tuple[str, Callable, tuple]] = {}
 
         def record(name, fn, *args):
@@ -182,7 +183,8 @@ class RegionsStep:
             return jax.eval_shape(fn, *args)
 
         spec = functools.partial(jax.tree_util.tree_map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
-        self._run(spec(params), spec(state), spec(tokens), spec(positions), spec(engram), spec(embeds), record)
+        self._run(spec(params), spec(state), spec(tokens), spec(positions), spec(engram), spec(embeds), record,
+                  spec(start))
         return list(found.values())
 
     def n_programs(self) -> int:

@@ -395,7 +395,7 @@ class Engine:
             sb = self._host_batch([SamplingParams()] * n)
             sample_program()(*self.model.to_sampler((logits[n], sb, np.zeros(n, np.int32))))
         n_moves = 0
-        if self.scheduler.window_mode != "pool":
+        if self.scheduler.window_mode != "pool" and self.n_slots > 1:     # (one slot never moves)
             zero = self.model.put(np.int32(0))
             self.state = _move(self.state, zero, zero)
             n_moves = 1

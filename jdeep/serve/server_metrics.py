@@ -1,5 +1,6 @@
 """The server's metric set (GET /metrics): HTTP requests by route and status, requests turned away (429) and timed
-out, tokens, finish reasons, latency histograms and the engine's gauges (slots, waiting requests, steps)."""
+out, tokens, finish reasons, latency histograms, the engine's gauges (slots, waiting requests, steps) and what its
+scheduler put in each iteration (decode tokens, prefill tokens, the queue time of each admitted request)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from typing import Iterable
 
 from .async_engine import AsyncEngine
+from ..runtime.engine import IterationStats
 from .metrics import Counter, Gauge, Histogram, Registry
 
 __all__ = ["ServerMetrics", "Latency"]
@@ -39,7 +41,24 @@ class ServerMetrics:
         r.add(Gauge("jdeep_requests_waiting_limit", "Waiting requests beyond which new ones get 429 (-1: no limit)",
                     lambda: -1 if limit is None else limit))
         r.add(Gauge("jdeep_engine_steps_total", "Engine steps run", lambda: st.steps))
+        tokens = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+        self.iteration_decode = r.add(Histogram("jdeep_iteration_decode_tokens",
+                                                "Tokens decoded in one engine iteration (one per running request)",
+                                                tokens))
+        self.iteration_prefill = r.add(Histogram("jdeep_iteration_prefill_tokens",
+                                                 "Prompt tokens prefilled in one engine iteration", tokens))
+        self.queue_time = r.add(Histogram("jdeep_request_queue_time_seconds",
+                                          "Time a request waited for a sequence slot"))
+        r.add(Gauge("jdeep_max_num_batched_tokens", "Token positions one engine iteration may compute",
+                    lambda: aengine.engine.max_num_batched_tokens))
         aengine.on_step = self.step.observe          # from the engine thread (histograms take a lock)
+        aengine.engine.on_iteration = self._iteration
+
+    def _iteration(self, it: IterationStats) -> None:
+        self.iteration_decode.observe(it.decode_tokens)
+        self.iteration_prefill.observe(it.prefill_tokens)
+        for q in it.queue_times:
+            self.queue_time.observe(q)
 
     def render(self) -> str:
         """The Prometheus text of every metric."""

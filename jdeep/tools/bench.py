@@ -20,8 +20,9 @@ JSON schema "jdeep.bench/1" (stable; fields only ever added):
      "compare": {"transformers": {...}},       # optional (added): only with compare_transformers / --compare
      "context_sweep": [{"context", "state_len", "prefill_len", "decode_steps", "prefill_chunk",
                         "compile_s": {"prefill", "decode"}, "prefill_s", "prefill_tok_s", "itl_ms": {"mean", "p50",
-                        "p99"}, "state_bytes", "decode_step_bytes", "achieved_bandwidth_gbs", "peak_rss_bytes"}]}
+                        "p99"}, "state_bytes", "decode_step_bytes", "achieved_bandwidth_gbs", "peak_rss_bytes"}],
                                                # optional (added): run_context_sweep / --context-sweep ("runs" empty)
+     "mixed": [...]}                           # optional (added): --mixed ("runs" empty), see tools/mixed_load.py
 run_context_sweep measures how decode cost grows with the context at B=1: for each context length c, a random
 prompt of c - decode_steps tokens is prefilled in chunks into a state of state_len = c (rounded up to a power of
 two >= 256) tokens, then decode_steps greedy steps are timed, so the last one attends to c - 1 earlier tokens.
@@ -59,8 +60,9 @@ from ..runtime.steps import length_bucket, pack_chunk
 from ..state import state_bytes
 from .compare import compare_section, hf_config, require_transformers
 from .info import kv_bytes_per_token
+from .mixed_load import format_mixed
 
-__all__ = ["run_bench", "run_context_sweep", "bench_prompts", "measure_bandwidth", "format_report", "format_compare",
+__all__ = ["run_bench", "run_context_sweep", "result_head", "bench_prompts", "measure_bandwidth", "format_report", "format_compare",
            "format_context_sweep", "plot_sweep", "SCHEMA", "PREFILL_CHUNK"]
 
 SCHEMA = "jdeep.bench/1"
@@ -133,7 +135,7 @@ def run_bench(model: Model, input_len: int = 512, output_len: int = 32, batch_si
     if compare_transformers is not None:
         require_transformers()
         hf_config(cfg)                       # an incomparable checkpoint fails before the jdeep runs
-    result = _result_head(model, bandwidth_gbs)
+    result = result_head(model, bandwidth_gbs)
     bw = result["machine"]["measured_bandwidth_gbs"]
     max_len = length_bucket(input_len + output_len, 256)
     prompt_sets = bench_prompts(cfg, input_len, batch_sizes, seed, prompts)
@@ -162,7 +164,7 @@ def run_context_sweep(model: Model, contexts: Sequence[int], decode_steps: int =
                          f"must be positive, got contexts {contexts}, prefill_chunk {prefill_chunk}")
     if contexts[-1] > cfg.max_position_embeddings:
         raise ValueError(f"context {contexts[-1]} exceeds max_position_embeddings {cfg.max_position_embeddings}")
-    result = _result_head(model, bandwidth_gbs)
+    result = result_head(model, bandwidth_gbs)
     bw = result["machine"]["measured_bandwidth_gbs"]
     sweep = []
     for c in contexts:
@@ -182,7 +184,7 @@ def run_context_sweep(model: Model, contexts: Sequence[int], decode_steps: int =
     return result
 
 
-def _result_head(model: Model, bandwidth_gbs: float | None) -> dict:
+def result_head(model: Model, bandwidth_gbs: float | None) -> dict:
     """The "schema", "model" and "machine" fields of a result (measuring the bandwidth unless given)."""
     cfg = model.config
     return {
@@ -290,6 +292,8 @@ def format_report(result: dict) -> str:
              f"measured read bandwidth {result['machine']['measured_bandwidth_gbs']:.1f} GB/s"]
     if "context_sweep" in result:
         return "\n".join(lines + [format_context_sweep(result["context_sweep"])])
+    if "mixed" in result:
+        return "\n".join(lines + [format_mixed(result["mixed"])])
     lines += [f"{'B':>4} {'in':>6} {'out':>5} {'compile s':>10} {'TTFT ms':>9} {'prefill tok/s':>14} {'ITL p50 ms':>11} "
              f"{'ITL p99 ms':>11} {'tok/s/seq':>10} {'tok/s':>9} {'GB/s':>7} {'roofline':>9} {'peak RSS MiB':>13}"]
     for r in result["runs"]:

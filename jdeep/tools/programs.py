@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from ..arenas import is_packed, pack_params
 from ..config import ModelConfig
 from ..model.cache import PROGRAMS, ProgramCache
-from ..model.model import Model, compiled_step
+from ..model.model import Model, compiled_rows_step, compiled_step
 from ..model.regions import regions_step
 from ..numerics import Numerics
 from ..param_spec import abstract_params
@@ -108,23 +108,34 @@ def chunk_buckets(longest: int) -> tuple[int, ...]:
 
 
 def model_programs(t: Target, batch_sizes=(1,), prefill_len: int | Sequence[int] = 64, max_len: int = 256,
-                   cache: ProgramCache = PROGRAMS, max_prefill_tokens: int | None = None) -> list[Program]:
+                   cache: ProgramCache = PROGRAMS, max_prefill_tokens: int | None = None,
+                   pool: int | None = None) -> list[Program]:
     """The programs of prefill and decode steps for every batch bucket, in call order, without duplicates.
     prefill_len: one chunk length (programs "b{B}.prefill") or several ("b{B}.prefill{S}" each, then "b{B}.decode").
     max_prefill_tokens: leave out prefill programs of more tokens (batch x chunk) than one step's budget.
+    pool: lower each batch bucket B < pool as the Engine runs it, a window of B slots (traced first slot) of a
+    state of `pool` slots (models with Engram step the whole pool; their buckets stay whole states).
     `cache`: where the programs are taken from and kept (a fresh ProgramCache gives freshly jitted programs)."""
     several = not isinstance(prefill_len, int)
     lens = tuple(prefill_len) if several else (prefill_len,)
     out = []
     for B in batch_sizes:
+        window = pool is not None and B < pool and t.config.engram is None
         prefills = [("prefill", S) for S in lens if max_prefill_tokens is None or B * S <= max_prefill_tokens]
         for step, S in prefills + [("decode", 1)]:
             bucket = {"batch": B, "seq": S, "step": step, "max_len": max_len}
             args = step_inputs(t, B, S, max_len)
+            if window:
+                bucket["pool"] = pool
+                args = (args[0], step_inputs(t, pool, 1, max_len)[1]) + args[2:] + (
+                    jax.ShapeDtypeStruct((), jnp.int32),)
             name = f"b{B}.{step}{S if several and step == 'prefill' else ''}"
+            rows = B if window else None
             if t.compile_mode == "scan":
-                out.append(Program(name, compiled_step(t.config, t.plan, t.numerics, False, cache=cache), args, bucket))
+                fn = (compiled_rows_step(t.config, t.plan, t.numerics, False, B, cache=cache) if window else
+                      compiled_step(t.config, t.plan, t.numerics, False, cache=cache))
+                out.append(Program(name, fn, args, bucket))
             else:
-                rs = regions_step(t.config, t.plan, t.numerics, False, cache=cache)
+                rs = regions_step(t.config, t.plan, t.numerics, False, rows=rows, cache=cache)
                 out += [Program(f"{name}.{n}", fn, a, bucket) for n, fn, a in rs.programs(*args)]
     return out

@@ -171,6 +171,14 @@ def test_metrics_count_requests_tokens_and_latencies(srv):
     assert after['jdeep_requests_total{endpoint="/v1/completions",status="200"}'] - before.get(
         'jdeep_requests_total{endpoint="/v1/completions",status="200"}', 0) == 1
     assert after["jdeep_slots_total"] == 1 and after["jdeep_slots_used"] == 0
+    # the scheduler's view: the prompt prefilled, one decode token per later iteration, one queue time observed
+    gained = {k: after[k] - before.get(k, 0) for k in ("jdeep_iteration_prefill_tokens_sum",
+                                                        "jdeep_iteration_decode_tokens_sum",
+                                                        "jdeep_request_queue_time_seconds_count")}
+    assert gained == {"jdeep_iteration_prefill_tokens_sum": len(P2),
+                      "jdeep_iteration_decode_tokens_sum": r.usage.completion_tokens - 1,
+                      "jdeep_request_queue_time_seconds_count": 1}, gained
+    assert after["jdeep_max_num_batched_tokens"] == srv.engine.max_num_batched_tokens
     assert after['jdeep_time_to_first_token_seconds_bucket{le="+Inf"}'] == after["jdeep_time_to_first_token_seconds_count"]
 
 

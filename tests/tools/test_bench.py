@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 import jdeep
 from jdeep.cli import main
@@ -95,3 +96,23 @@ def test_context_sweep_rejects_contexts_not_longer_than_the_decode_steps(tmp_pat
     assert main(["bench", "--random-weights", str(tmp_path / "c.json"), "--context-sweep", "8", "--output-len",
                  "8"]) == 2
     assert "decode_steps" in capsys.readouterr().err
+
+
+def test_mixed_workload_reports_no_stalls_and_both_ttfts(tmp_path, capsys):
+    """`jdeep bench --mixed`: 2 streams decode while a 100-token prompt prefills in 32-token chunks (4 iterations);
+    no stream misses an iteration, and the row carries every field of the "mixed" section."""
+    (tmp_path / "c.json").write_text(json.dumps(one_layer_config()))
+    assert main(["bench", "--random-weights", str(tmp_path / "c.json"), "--mixed", "100", "--mixed-streams", "2",
+                 "--mixed-chunks", "32", "--dtype", "float32", "--json", str(tmp_path / "r.json")]) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["runs"] == [] and len(r["mixed"]) == 1
+    m = r["mixed"][0]
+    assert (m["streams"], m["long_len"], m["prefill_chunk"], m["max_num_batched_tokens"]) == (2, 100, 32, 8 + 32)
+    assert m["iterations"] == 4 and m["stalls"] == 0
+    assert m["ttft_s"] > 0 and m["ttft_alone_s"] > 0 and np.isclose(m["ttft_ratio"], m["ttft_s"] / m["ttft_alone_s"])
+    assert 0 < m["itl_ms"]["p50"] <= m["itl_ms"]["p99"] <= m["itl_ms"]["max"]
+    assert m["decode_step_ms"] > 0 and 0 < m["chunk_ms"]["mean"] <= m["chunk_ms"]["max"]
+    assert 0 < m["itl_bound_ms"]["p50"] <= m["itl_bound_ms"]["p99"] and m["iteration_over_bound"]["max"] > 0
+    assert "mixed workload: 2 streams decoding, a 100-token prompt arrives" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--mixed"):
+        main(["bench", "--mixed", "100", "--context-sweep", "512"])

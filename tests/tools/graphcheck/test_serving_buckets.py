@@ -33,13 +33,14 @@ def _skipped(name: str, mode: str, bucket: dict) -> set[str]:
     return set()
 
 
-def _failures(name: str, mode: str, batch_sizes, prefill_lens, steps=("prefill", "decode")) -> tuple[int, list[str]]:
-    """Lower the preset's programs of `steps` (bfloat16, trn2 fp8, as check-graph does) and check each;
-    (count, failures)."""
+def _failures(name: str, mode: str, batch_sizes, prefill_lens, steps=("prefill", "decode"), pool=None
+              ) -> tuple[int, list[str]]:
+    """Lower the preset's programs of `steps` (bfloat16, trn2 fp8, as check-graph does; with `pool`, as the Engine's
+    windows of a pool of that many slots) and check each; (count, failures)."""
     config = preset(name)
     target = Target.for_config(config, ml_dtypes.bfloat16, mode, fp8_max=240.0, packed_params=mode == "scan")
     programs = [p for p in model_programs(target, batch_sizes, prefill_lens, SERVING_PREFILL_LEN, cache=ProgramCache(),
-                                          max_prefill_tokens=SERVING_PREFILL_TOKENS)
+                                          max_prefill_tokens=SERVING_PREFILL_TOKENS, pool=pool)
                 if p.bucket["step"] in steps]
     bad = []
     for prog in programs:
@@ -97,6 +98,14 @@ def test_preset_longest_prefill_chunk_passes():
     """The longest chunk (8192 tokens, batch 1) in the regions mode: the sorted grouped MoE at its largest tile
     loop within budget."""
     n, bad = _failures("v4-flash", "regions", (1,), (SERVING_PREFILL_LEN,), steps=("prefill",))
+    assert n and not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("mode", ["regions", "scan"])
+def test_engine_windows_of_a_256_slot_pool_pass(mode):
+    """What the Engine compiles: decode and prefill steps over windows of 1 and 64 slots (first slot traced, clamped)
+    of a 256-slot V4-Flash state, sliced out and written back in place (S12 index safety, S20 donation)."""
+    n, bad = _failures("v4-flash", mode, (1, 64), (256,), pool=256)
     assert n and not bad, "\n".join(bad)
 
 
