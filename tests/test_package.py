@@ -21,7 +21,7 @@ RANKS = [
     ("jdeep.sharding", 1), ("jdeep.io", 1),
     ("jdeep.layers", 2), ("jdeep.presets", 2),
     ("jdeep.model", 3),
-    ("jdeep.runtime", 4),
+    ("jdeep.runtime", 4), ("jdeep.speculative", 4),
     ("jdeep.serve", 5), ("jdeep.tools", 5),
     ("jdeep.cli", 6), ("jdeep", 6),
 ]

@@ -86,7 +86,7 @@ def _run_segment(seg: Segment, seg_params: list, seg_state: list, sources: dict,
 def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Array, engram: tuple | None = None,
                embeds: jax.Array | None = None, *, config: ModelConfig, plan: LayerPlan,
                numerics: Numerics = Numerics(), all_logits: bool = False, streams: bool = False, layout=None,
-               training: bool = False):
+               training: bool = False, hidden: bool = False):
     """One chunk through the model.
 
     tokens int32 [B, S]; positions int32 [B, S] (absolute, consecutive per row, -1 = padding after the
@@ -102,6 +102,7 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     training: a last output holds what training needs besides the logits (tools/train.py): "hidden", the final
     streams X [B, S, n, d] (the MTP blocks' input), and "index_kl" fp32 [2], the indexer objective summed over
     the V4 indexer layers and its number of terms (layers/index_loss.py).
+    hidden: a last output is the final streams X [B, S, n, d] alone (what the MTP drafter reads while decoding).
     """
     require_engram(plan, engram)
     chunk = make_chunk(tokens, positions, config.vocab_size)
@@ -140,4 +141,6 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
         outputs += (recorded,)
     if training:
         outputs += ({"hidden": s.X, "index_kl": index_kl},)
+    elif hidden:
+        outputs += (s.X,)
     return outputs
