@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..model.model import Model
+from ..speculative.config import parse_speculative
+from ..speculative.mtp_decode import mtp_greedy_generate
 from .requests import check_request, prompt_ids
 from .sampling import SamplingParams, batch_params
 from .steps import batch_bucket, decode_block, first_done, length_bucket, pack_chunk, run_step, sample_program
@@ -64,7 +66,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
              return_logits: bool = False, seed: int = 0, prefill_chunk: int = 512,
              sampling: SamplingParams | Sequence[SamplingParams] | None = None, ignore_eos: bool = False,
              stream: Callable[[list[list[int]]], None] | None = None, stream_every: int = 16,
-             tokenizer=None) -> GenerateOutput:
+             tokenizer=None, speculative: dict | None = None) -> GenerateOutput:
     """Generate after each prompt of a ragged batch of token-id lists or strings.
 
     sampling: one SamplingParams for every prompt or one per prompt (temperature, top-k, top-p, min-p,
@@ -80,6 +82,9 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     runs on the host, one step call per token); between blocks `stream(new_tokens)` (if given) receives each request's tokens
     since the last call, and generation ends early once every request is done. Models with Engram layers
     decode one step per block (their table rows are gathered on the host from the token just sampled).
+    speculative: {"method": "mtp", "num_speculative_tokens": k} drafts k tokens per step with the checkpoint's MTP
+    block (jdeep.load(path, mtp=True)) and verifies them in one step; the tokens are those of plain decoding. So far
+    greedy only (temperature 0), without return_logits or stream (jdeep/speculative).
     """
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
@@ -96,6 +101,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
                                                                        temperature, seed)))]
     prompts = [r.ids for r in requests]
     params = [r.params for r in requests]
+    if speculative is not None:
+        return _speculative(model, requests, speculative, prefill_chunk, tokenizer, return_logits, stream)
     n_new = max(p.max_new_tokens for p in params)
     longest = max(len(pr) + p.max_new_tokens for pr, p in zip(prompts, params))
     B = len(prompts)
@@ -183,6 +190,31 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
         texts = [matchers[b].text if b in matchers and matchers[b].stopped else tokenizer.decode(out[b, :lengths[b]])
                  for b in range(B)]
     return GenerateOutput(out, out_logits, lengths, texts)
+
+
+def _speculative(model: Model, requests: list, speculative: dict, prefill_chunk: int, tokenizer, return_logits: bool,
+                 stream) -> GenerateOutput:
+    """generate() with speculative decoding (greedy, MTP): tokens, lengths and texts as plain decoding gives them."""
+    _, k = parse_speculative(speculative)
+    if return_logits or stream is not None:
+        raise ValueError("speculative decoding returns tokens and texts only so far (no return_logits, no stream)")
+    if any(r.params.temperature > 0 for r in requests):
+        raise ValueError("speculative decoding is greedy only so far (temperature 0); sampled acceptance is not "
+                         "built yet")
+    out, _ = mtp_greedy_generate(model, [r.ids for r in requests], [r.params.max_new_tokens for r in requests],
+                                 [tuple(r.stop_ids) for r in requests], k, prefill_chunk)
+    texts = [] if tokenizer is not None else None
+    for b, r in enumerate(requests):
+        n = int(np.sum(out[b] >= 0))
+        if r.params.stop:                    # tokens after the one completing a stop string are dropped
+            m = StopMatcher(tokenizer, r.params.stop)
+            m.push(out[b, :n].tolist())
+            if m.stopped:
+                out[b, m.n_tokens:] = -1
+                n = m.n_tokens
+        if texts is not None:
+            texts.append(m.text if r.params.stop and m.stopped else tokenizer.decode(out[b, :n]))
+    return GenerateOutput(out, None, np.sum(out >= 0, axis=1), texts)
 
 
 def forward(model: Model, token_ids: Sequence[int], pad_to: int | None = None) -> np.ndarray:

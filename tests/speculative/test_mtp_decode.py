@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jdeep
+from jdeep import SamplingParams
 from jdeep.model.scan import model_step
 from jdeep.speculative import undo
 from jdeep.speculative.mtp_decode import mtp_greedy_generate
@@ -44,6 +45,26 @@ def test_greedy_speculation_equals_plain_greedy(models, quantized, ks):
         assert stats["drafted"] > 0 and 0 <= stats["accepted"] <= stats["drafted"]
         # the iterations saved over plain decoding are the accepted drafts
         assert stats["accepted"] > 0, stats
+    # the notebook entry point: the same tokens (and texts), with EOS handling and per-request lengths
+    sp = [SamplingParams(max_new_tokens=m) for m in max_new]
+    plain = jdeep.generate(model, [p.tolist() for p in prompts], sampling=sp)
+    spec = jdeep.generate(model, [p.tolist() for p in prompts], sampling=sp,
+                          speculative={"method": "mtp", "num_speculative_tokens": ks[-1]})
+    np.testing.assert_array_equal(spec.tokens, plain.tokens)
+    assert spec.texts == plain.texts and spec.lengths.tolist() == plain.lengths.tolist()
+
+
+def test_speculative_requests_that_cannot_run_fail_clearly(models):
+    model, prompt = models[False], [[0, 5, 9]]
+    for spec, what in [({"method": "dspark"}, "not built yet"), ({"method": "eagle"}, "method must be one of"),
+                       ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"method": "mtp", "k": 2}, "unknown speculative field"), ("mtp", "must be a dict")]:
+        with pytest.raises(ValueError, match=what):
+            jdeep.generate(model, prompt, speculative=spec)
+    with pytest.raises(ValueError, match="greedy only"):
+        jdeep.generate(model, prompt, temperature=0.7, speculative={"method": "mtp"})
+    with pytest.raises(ValueError, match="mtp=True"):
+        jdeep.generate(jdeep.load(DEMO), prompt, speculative={"method": "mtp"})
 
 
 def test_undo_log_leaves_the_plain_state(models):
