@@ -322,9 +322,15 @@ def moe_experts_grouped(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2,
     Work is at most ~2x the routed rows, whatever the routing (XLA:CPU lowers `ragged_dot` to one full-size
     matmul per expert, E times the work).
     """
-    T, k = idx.shape
+    return _through_groups(expert_groups(idx, stacked_experts(w1)), x, weight, w1, w2, w3, layer, limit, numerics)
+
+
+def _through_groups(g: ExpertGroups, x: jax.Array, weight: jax.Array, w1, w2, w3, layer: jax.Array, limit: float,
+                    numerics) -> jax.Array:
+    """The grouped kernels' body once the rows' layout g is known: rows grouped, the tile scan, the rows summed back
+    per token (fp32 [T, d])."""
+    T, k = weight.shape
     q = isinstance(w1, dict)
-    g = expert_groups(idx, stacked_experts(w1))
     rows, wts = group_rows(_act(x, numerics, q), weight, g)
     y = _grouped_tiles(rows, wts, g, x.dtype, w1, w2, w3, layer, limit, numerics, q)
     return ungroup_rows(y, g, T, k)
@@ -362,12 +368,8 @@ def moe_experts_grouped_nosort(x: jax.Array, idx: jax.Array, weight: jax.Array, 
     `moe_experts_grouped` bit for bit, and no (token, expert) pair is dropped whatever the routing. The
     ranks cost a [T·k, T·k] compare (1536² at batch 256, top-6), so it suits decode sizes; prefill sorts.
     """
-    T, k = idx.shape
-    q = isinstance(w1, dict)
-    g = expert_groups_nosort(idx, stacked_experts(w1))
-    rows, wts = group_rows(_act(x, numerics, q), weight, g)
-    y = _grouped_tiles(rows, wts, g, x.dtype, w1, w2, w3, layer, limit, numerics, q)
-    return ungroup_rows(y, g, T, k)
+    return _through_groups(expert_groups_nosort(idx, stacked_experts(w1)), x, weight, w1, w2, w3, layer, limit,
+                           numerics)
 
 
 @register("moe_experts_dense")

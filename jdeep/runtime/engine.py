@@ -50,8 +50,8 @@ from ..model.model import Model
 from ..state import move_slot, reset_slots
 from .requests import Request, RequestError, check_request
 from .sampling import SEED_MAX, SamplingBatch, SamplingParams, batch_params
-from .scheduler import Iteration, Scheduler, Window
-from .steps import batch_bucket, length_bucket, pack_chunk, run_step, sample_program
+from .scheduler import Iteration, Scheduler, Window, floor_pow2
+from .steps import MIN_BUCKET, batch_bucket, length_bucket, pack_chunk, run_step, sample_program
 from .stops import StopMatcher
 
 __all__ = ["Engine", "RequestOutput", "IterationStats", "default_batched_tokens"]
@@ -419,7 +419,7 @@ def default_batched_tokens(n_slots: int, prefill_chunk: int) -> int:
     """The default token budget of one iteration: a full decode window plus one longest prefill chunk, so a long
     prompt prefills at full chunk length while every slot decodes (the streams' inter-token latency is then about
     one decode step plus one chunk; a smaller --max-num-batched-tokens trades the prompt's TTFT for it)."""
-    return n_slots + max(16, 1 << (int(prefill_chunk).bit_length() - 1))
+    return n_slots + max(MIN_BUCKET, floor_pow2(prefill_chunk))
 
 
 def _move(state: dict, src, dst) -> dict:

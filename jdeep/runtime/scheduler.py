@@ -126,9 +126,8 @@ class Scheduler:
 
     def prefill_programs(self) -> list[tuple[int, int]]:
         """Every (rows, chunk) prefill program `schedule` can choose, for warm-up."""
-        rows = [self.n_slots] if self.window_mode == "pool" else [1 << k for k in range(self.n_slots.bit_length())]
         out = []
-        for n in rows:
+        for n in self.decode_programs():
             S = MIN_BUCKET
             while S <= self.max_chunk:
                 if n * S <= max(self.budget, n * MIN_BUCKET):
@@ -137,5 +136,5 @@ class Scheduler:
         return out
 
     def decode_programs(self) -> list[int]:
-        """Every decode window size `schedule` can choose, for warm-up."""
+        """Every window size `schedule` can choose (decode and prefill), for warm-up."""
         return [self.n_slots] if self.window_mode == "pool" else [1 << k for k in range(self.n_slots.bit_length())]
