@@ -14,7 +14,7 @@ import numpy as np
 
 from ..model.model import Model
 from ..speculative.config import parse_speculative
-from ..speculative.mtp_decode import mtp_greedy_generate
+from ..speculative.mtp_decode import mtp_generate
 from .requests import check_request, prompt_ids
 from .sampling import SamplingParams, batch_params
 from .steps import batch_bucket, decode_block, first_done, length_bucket, pack_chunk, run_step, sample_program
@@ -83,8 +83,9 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     since the last call, and generation ends early once every request is done. Models with Engram layers
     decode one step per block (their table rows are gathered on the host from the token just sampled).
     speculative: {"method": "mtp", "num_speculative_tokens": k} drafts k tokens per step with the checkpoint's MTP
-    block (jdeep.load(path, mtp=True)) and verifies them in one step; the tokens are those of plain decoding. So far
-    greedy only (temperature 0), without return_logits or stream (jdeep/speculative).
+    block (jdeep.load(path, mtp=True)) and verifies them in one step (jdeep/speculative): greedy requests get the
+    tokens of plain decoding, sampled ones the same distribution; blocks of up to `stream_every` iterations run on
+    the device between host reads; no return_logits.
     """
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
@@ -102,7 +103,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     prompts = [r.ids for r in requests]
     params = [r.params for r in requests]
     if speculative is not None:
-        return _speculative(model, requests, speculative, prefill_chunk, tokenizer, return_logits, stream)
+        return _speculative(model, requests, speculative, prefill_chunk, tokenizer, return_logits, stream, stream_every,
+                            seed)
     n_new = max(p.max_new_tokens for p in params)
     longest = max(len(pr) + p.max_new_tokens for pr, p in zip(prompts, params))
     B = len(prompts)
@@ -193,28 +195,42 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
 
 
 def _speculative(model: Model, requests: list, speculative: dict, prefill_chunk: int, tokenizer, return_logits: bool,
-                 stream) -> GenerateOutput:
-    """generate() with speculative decoding (greedy, MTP): tokens, lengths and texts as plain decoding gives them."""
+                 stream, stream_every: int, seed: int) -> GenerateOutput:
+    """generate() with speculative decoding (MTP): greedy requests get plain decoding's tokens, sampled ones tokens
+    with the same distribution; stop strings and streaming as plain decoding has them."""
     _, k = parse_speculative(speculative)
-    if return_logits or stream is not None:
-        raise ValueError("speculative decoding returns tokens and texts only so far (no return_logits, no stream)")
-    if any(r.params.temperature > 0 for r in requests):
-        raise ValueError("speculative decoding is greedy only so far (temperature 0); sampled acceptance is not "
-                         "built yet")
-    out, _ = mtp_greedy_generate(model, [r.ids for r in requests], [r.params.max_new_tokens for r in requests],
-                                 [tuple(r.stop_ids) for r in requests], k, prefill_chunk)
-    texts = [] if tokenizer is not None else None
-    for b, r in enumerate(requests):
-        n = int(np.sum(out[b] >= 0))
-        if r.params.stop:                    # tokens after the one completing a stop string are dropped
-            m = StopMatcher(tokenizer, r.params.stop)
-            m.push(out[b, :n].tolist())
-            if m.stopped:
-                out[b, m.n_tokens:] = -1
-                n = m.n_tokens
-        if texts is not None:
-            texts.append(m.text if r.params.stop and m.stopped else tokenizer.decode(out[b, :n]))
-    return GenerateOutput(out, None, np.sum(out >= 0, axis=1), texts)
+    if return_logits:
+        raise ValueError("speculative decoding does not return logits (return_logits=False)")
+    B = len(requests)
+    matchers = {b: StopMatcher(tokenizer, r.params.stop) for b, r in enumerate(requests) if r.params.stop}
+    kept = np.array([r.params.max_new_tokens for r in requests])
+
+    def on_block(new: list[list[int]]) -> list[int]:
+        ended = []
+        for b, m in matchers.items():
+            if not m.stopped:
+                m.push(new[b])
+                if m.stopped:
+                    kept[b] = m.n_tokens
+                    ended.append(b)
+        if stream is not None:
+            chunks = [row[:max(0, kept[b] - sent[b])] for b, row in enumerate(new)]
+            sent[:] += [len(c) for c in chunks]
+            stream(chunks)
+        return ended
+
+    sent = np.zeros(B, int)
+    out, _ = mtp_generate(model, [r.ids for r in requests], [r.params for r in requests],
+                          [tuple(r.stop_ids) for r in requests], k, prefill_chunk, default_seed=seed,
+                          on_block=on_block, block_iterations=max(1, stream_every))
+    for b in range(B):                       # tokens after the one completing a stop string are dropped
+        out[b, kept[b]:] = -1
+    lengths = np.sum(out >= 0, axis=1)
+    texts = None
+    if tokenizer is not None:
+        texts = [matchers[b].text if b in matchers and matchers[b].stopped else tokenizer.decode(out[b, :lengths[b]])
+                 for b in range(B)]
+    return GenerateOutput(out, None, lengths, texts)
 
 
 def forward(model: Model, token_ids: Sequence[int], pad_to: int | None = None) -> np.ndarray:

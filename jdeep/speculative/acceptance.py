@@ -1,0 +1,89 @@
+"""Drafting and verifying tokens so that the output has exactly the target model's distribution.
+
+Each row samples with its own SamplingParams (runtime/sampling.py). Its target distribution p at a position is what
+plain decoding draws from there: softmax of the row's filtered logits (temperature, top-k, top-p, min-p), or, for a
+greedy row (temperature 0), the one-hot of the argmax (lowest index on ties, as plain greedy decoding picks). The
+drafter's distribution q goes through the same transform and the draft token is drawn from it.
+
+The standard rule (Leviathan et al. 2023; DeepSeek's DeepSpec evaluator, `verify_draft_tokens`):
+    draft d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)) (q clamped at 1e-8), in order, until the first
+    rejection; at the first rejected position i the token is drawn from the normalised residual max(0, p_i - q_i)
+    (p_i itself where the residual has no mass); when all k drafts are accepted a bonus token is drawn from p_{k+1}.
+For greedy rows this is exactly "the longest prefix of drafts equal to the target's argmax, then the target's argmax".
+
+Randomness: every draw uses the row's own key folded with the number of tokens the row has generated and a
+purpose tag, so a request's draws do not depend on the batch it shares.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..runtime.sampling import SamplingBatch, filtered_logits
+
+__all__ = ["distribution", "draw", "accept", "uniform"]
+
+_Q_FLOOR = 1e-8
+
+
+def _rows(sb: SamplingBatch, k: int) -> SamplingBatch:
+    """sb with every row repeated k times (row b*k + j = row b)."""
+    return SamplingBatch(*(jnp.repeat(a, k, axis=0) for a in sb))
+
+
+def distribution(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+    """The distribution each row samples from: logits [B, K, V] -> probabilities fp32 [B, K, V] (one-hot of the argmax
+    for greedy rows)."""
+    B, K, V = logits.shape
+    flat = logits.reshape(B * K, V).astype(jnp.float32)
+    probs = jax.nn.softmax(filtered_logits(flat, _rows(sb, K)), axis=-1)
+    greedy = jax.nn.one_hot(jnp.argmax(flat, axis=-1), V, dtype=jnp.float32)
+    greedy_row = jnp.repeat(sb.temperature <= 0, K)[:, None]
+    return jnp.where(greedy_row, greedy, probs).reshape(B, K, V)
+
+
+def _key(sb: SamplingBatch, count: jax.Array, tag: int) -> jax.Array:
+    """Per-row keys [B] for draw number `count` int32 [B] with purpose `tag`."""
+    def one(key_data, c):
+        key = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+        return jax.random.fold_in(jax.random.fold_in(key, c), tag)
+
+    return jax.vmap(one)(sb.keys, count)
+
+
+def uniform(sb: SamplingBatch, count: jax.Array, tag: int, n: int) -> jax.Array:
+    """n uniform draws in [0, 1) per row: fp32 [B, n]."""
+    return jax.vmap(lambda key: jax.random.uniform(key, (n,), jnp.float32))(_key(sb, count, tag))
+
+
+def draw(probs: jax.Array, sb: SamplingBatch, count: jax.Array, tag: int) -> jax.Array:
+    """One token per row from probs fp32 [B, V] (Gumbel-max over log p; a one-hot row gives its token): int32 [B]."""
+    g = jax.vmap(lambda key: jax.random.gumbel(key, probs.shape[-1:], jnp.float32))(_key(sb, count, tag))
+    logp = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
+    return jnp.argmax(logp + g, axis=-1).astype(jnp.int32)
+
+
+def accept(drafts: jax.Array, q: jax.Array, p: jax.Array, sb: SamplingBatch, count: jax.Array,
+           tag: int) -> tuple[jax.Array, jax.Array]:
+    """Verify drafts int32 [B, k] drawn from q fp32 [B, k, V] against the target distributions p fp32 [B, k+1, V]
+    (position i of p: the token after draft i; p[:, 0] follows the last accepted token).
+
+    Returns (tokens int32 [B, k+1], accepted int32 [B]): row b emits tokens[b, :accepted[b] + 1] — the accepted
+    drafts, then the residual draw at the first rejection or the bonus draw from p[:, k]."""
+    B, k = drafts.shape
+    p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]              # [B, k]
+    q_d = jnp.maximum(jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0], _Q_FLOOR)
+    ok = uniform(sb, count, tag, k) < jnp.minimum(1.0, p_d / q_d)
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    # the distribution of the token after the accepted prefix: residual at a rejection, p itself for the bonus
+    at = accepted[:, None, None]
+    p_a = jnp.take_along_axis(p, at, axis=1)[:, 0]
+    q_a = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), at, axis=1)[:, 0]   # 0 past the drafts
+    residual = jnp.maximum(p_a - q_a, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    residual = jnp.where(mass > _Q_FLOOR, residual / jnp.maximum(mass, _Q_FLOOR), p_a)
+    last = draw(residual, sb, count, tag + 1)
+    offs = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    tokens = jnp.where(offs < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), last[:, None])
+    return tokens.astype(jnp.int32), accepted
