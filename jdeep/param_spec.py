@@ -8,6 +8,13 @@ Parameter tree (all leaves of one layer kind stacked layer-major, see plan.py):
      "segments": [ [ {layer tree of slot 0, leaves [reps, ...]}, ... ], ... ],
      "mtp": {MTP block tree, leaves [depths, ...]}}      # only with a plan that runs the MTP blocks
 
+A V4.1 plan with DSpark stages (plan.dspark) holds the drafter in "mtp" instead (model/dspark.py):
+
+    "mtp": {"stages": {layer tree of the stages, leaves [stages, ...], experts [stages, E_dspark, ...]},
+            "input":  {"main_proj": [d, n_taps*d] (fp8 codes), "main_norm": [d]},           # stage 0's extras
+            "output": {"norm": [d], "markov_embed": [V, r], "markov_head": [r, V] (input-major), # the last stage's
+                       "confidence": [1, d + r]}}                                           # extras, float
+
 The output head is the one leaf stored input-major ([d, V], the checkpoint's [V, d] transposed at load): XLA:CPU's
 GEMM for a few rows times a PyTorch-layout [N, K] matrix is 5x slower than with [K, N] at 2..8 rows, and the
 vocab-sized head dominated batched decode steps.
@@ -26,6 +33,7 @@ its path (`tree_path`), abstract trees (`abstract_params`) and the expert paddin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -33,9 +41,9 @@ import jax
 import numpy as np
 
 from .config import ModelConfig
-from .plan import REUSE, LayerKind, LayerPlan, mtp_kind
+from .plan import REUSE, LayerKind, LayerPlan, dspark_kind, dspark_stage_config, mtp_kind
 
-__all__ = ["TensorSpec", "layer_specs", "mtp_specs", "top_specs", "tree_leaves", "engram_table_specs", "F32", "WEIGHT", "INDEX",
+__all__ = ["TensorSpec", "layer_specs", "mtp_specs", "dspark_stage_specs", "dspark_extra_specs", "top_specs", "tree_leaves", "engram_table_specs", "F32", "WEIGHT", "INDEX",
            "FLOAT", "FP8", "FP4", "FP8_DEQUANT", "FP4_BLOCK", "abstract_params", "tree_path", "padded_experts"]
 
 WEIGHT = "weight"  # stored in the model dtype (float32 or bfloat16)
@@ -244,10 +252,38 @@ def mtp_specs(c: ModelConfig) -> list[TensorSpec]:
     ]
 
 
+def dspark_stage_specs(c: ModelConfig) -> list[TensorSpec]:
+    """What every DSpark stage `mtp.k` holds (model-spec.md §5.8): a V4.1 sliding-window layer whose MoE has the
+    dspark expert counts, placed under "stages" in params["mtp"] (stacked over the stages). The image routing bias
+    is left out: DeepSeek's stages always route with `bias` (drafts are text)."""
+    return [dataclasses.replace(s, path=("stages",) + s.path) for s in layer_specs(dspark_stage_config(c), dspark_kind(c))
+            if s.name != "ffn.gate.bias_vl"]
+
+
+def dspark_extra_specs(c: ModelConfig) -> list[tuple[int, TensorSpec]]:
+    """(stage, spec) of the tensors only one DSpark stage has, unstacked in params["mtp"]: stage 0's projection of
+    the target hiddens (main_proj, fp8 like the block's linears, then main_norm) and the last stage's final norm,
+    Markov head (embed [V, rank]; head [V, rank], kept input-major like the vocabulary head) and confidence head
+    ([1, d + rank]; bf16 in the checkpoint, float here)."""
+    d, taps, r = c.dim, len(c.dspark.target_layer_ids), c.dspark.markov_rank
+    dense_fmt, _, block = weight_formats(c)
+    last = c.dspark.n_layers - 1
+    return [
+        (0, TensorSpec("main_proj.weight", ("input", "main_proj"), (d, taps * d), WEIGHT, fmt=dense_fmt, block=block)),
+        (0, TensorSpec("main_norm.weight", ("input", "main_norm"), (d,), WEIGHT)),
+        (last, TensorSpec("norm.weight", ("output", "norm"), (d,), WEIGHT)),
+        (last, TensorSpec("markov_head.embed.weight", ("output", "markov_embed"), (c.vocab_size, r), WEIGHT)),
+        (last, TensorSpec("markov_head.head.weight", ("output", "markov_head"), (c.vocab_size, r), WEIGHT,
+                          input_major=True)),
+        (last, TensorSpec("confidence_head.proj.weight", ("output", "confidence"), (1, d + r), WEIGHT)),
+    ]
+
+
 def expected_tensors(config: ModelConfig, plan: LayerPlan) -> Iterator[tuple[str, TensorSpec, tuple]]:
     """(checkpoint name, spec, destination) for every tensor the model needs.
 
-    destination: ("top",), ("seg", segment, slot, rep) or ("mtp", depth) (a plan with MTP blocks)."""
+    destination: ("top",), ("seg", segment, slot, rep) or ("mtp", depth) (a plan with MTP blocks or DSpark stages),
+    ("mtp",) for a DSpark tensor only one stage has (unstacked)."""
     for spec in top_specs(config):
         yield spec.name, spec, ("top",)
     for s, seg in enumerate(plan.segments):
@@ -260,6 +296,12 @@ def expected_tensors(config: ModelConfig, plan: LayerPlan) -> Iterator[tuple[str
         for depth in range(plan.mtp.reps):
             for spec in mtp_specs(config):
                 yield f"mtp.{depth}.{spec.name}", spec, ("mtp", depth)
+    if plan.dspark is not None:
+        for stage in range(plan.dspark.reps):
+            for spec in dspark_stage_specs(config):
+                yield f"mtp.{stage}.{spec.name}", spec, ("mtp", stage)
+        for stage, spec in dspark_extra_specs(config):
+            yield f"mtp.{stage}.{spec.name}", spec, ("mtp",)
 
 
 def engram_table_specs(c: ModelConfig) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
@@ -294,11 +336,11 @@ def leaf_plan(config: ModelConfig, plan: LayerPlan) -> dict[tuple, tuple[tuple[i
         for path, shape, cls in tree_leaves(spec):
             leaves[("top",) + path] = (shape, cls)
 
-    def stacked(key: tuple, specs: list[TensorSpec], reps: int) -> None:
+    def stacked(key: tuple, specs: list[TensorSpec], reps: int, n_experts: int = config.n_routed_experts) -> None:
         for spec in specs:
             if spec.expert not in (None, 0):
                 continue
-            extra = (config.n_routed_experts,) if spec.expert is not None else ()
+            extra = (n_experts,) if spec.expert is not None else ()
             for path, shape, cls in tree_leaves(spec):
                 leaves[key + path] = ((reps,) + extra + shape, cls)
 
@@ -307,13 +349,18 @@ def leaf_plan(config: ModelConfig, plan: LayerPlan) -> dict[tuple, tuple[tuple[i
             stacked(("seg", s, slot), layer_specs(config, kind), seg.reps)
     if plan.mtp is not None:
         stacked(("mtp",), mtp_specs(config), plan.mtp.reps)
+    if plan.dspark is not None:
+        stacked(("mtp",), dspark_stage_specs(config), plan.dspark.reps, dspark_stage_config(config).n_routed_experts)
+        for _, spec in dspark_extra_specs(config):
+            for path, shape, cls in tree_leaves(spec):
+                leaves[("mtp",) + path] = (shape, cls)
     return leaves
 
 
 def empty_tree(plan: LayerPlan) -> dict:
     """The param tree's skeleton: one empty layer tree per segment slot (and one for the MTP blocks)."""
     tree: dict = {"segments": [[{} for _ in seg.pattern] for seg in plan.segments]}
-    if plan.mtp is not None:
+    if plan.mtp is not None or plan.dspark is not None:
         tree["mtp"] = {}
     return tree
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from .config import AttentionKind, ModelConfig
 
-__all__ = ["LayerKind", "Segment", "LayerPlan", "build_plan", "mtp_depths", "mtp_kind"]
+__all__ = ["LayerKind", "Segment", "LayerPlan", "build_plan", "mtp_depths", "mtp_kind", "dspark_stages",
+           "dspark_kind", "dspark_stage_config"]
 
 MAX_PERIOD = 6
 
@@ -74,6 +75,7 @@ class Segment:
 class LayerPlan:
     segments: tuple[Segment, ...]
     mtp: Segment | None = None   # the MTP blocks `mtp.0..` when the model runs them (build_plan(mtp=True))
+    dspark: Segment | None = None  # V4.1: the DSpark drafter's stages `mtp.0..` instead (build_plan(mtp=True))
 
     @property
     def kinds(self) -> tuple[LayerKind, ...]:
@@ -136,12 +138,32 @@ def mtp_kind(config: ModelConfig) -> LayerKind:
     return LayerKind(AttentionKind(0), False)
 
 
+def dspark_stages(config: ModelConfig) -> int:
+    """How many DSpark drafter stages (model-spec.md §5.8) a DeepSeek-V4.1 checkpoint carries (0 without DSpark)."""
+    return config.dspark.n_layers if config.dspark is not None and config.is_v41 else 0
+
+
+def dspark_kind(config: ModelConfig) -> LayerKind:
+    """A DSpark stage's kind: a V4.1 sliding-window layer (own window, delayed pre-mix) with a top-k MoE."""
+    return LayerKind(AttentionKind(0), False, shared_kv=True, delayed_premix=True)
+
+
+def dspark_stage_config(config: ModelConfig) -> ModelConfig:
+    """The config a DSpark stage's block runs with: the backbone's, except its MoE's expert counts
+    (dspark_n_routed_experts / dspark_num_experts_per_tok; 0 falls back to the backbone's, as DeepSeek's
+    `get_moe_config` does for layer ids >= n_layers)."""
+    ds = config.dspark
+    return config.replace(n_routed_experts=ds.n_routed_experts or config.n_routed_experts,
+                          n_activated_experts=ds.n_activated_experts or config.n_activated_experts)
+
+
 def build_plan(config: ModelConfig, max_period: int = MAX_PERIOD, mtp: bool = False) -> LayerPlan:
     """Greedy cut: at each layer take the period whose repetition covers the most layers.
 
     Ties prefer the shorter period; a period is only worth it when it repeats (reps >= 2),
-    otherwise the segment is a single layer. mtp: the plan also holds the checkpoint's MTP blocks, as one
-    segment of `mtp_depths` repetitions numbered after the backbone (ValueError when there are none).
+    otherwise the segment is a single layer. mtp: the plan also holds the checkpoint's drafter blocks `mtp.*`,
+    as one segment numbered after the backbone: DeepSeek-V4's MTP blocks (`mtp`, `mtp_depths` repetitions) or
+    DeepSeek-V4.1's DSpark stages (`dspark`, `dspark_stages` repetitions); ValueError when there are none.
     """
     kinds = layer_kinds(config)
     n = len(kinds)
@@ -165,13 +187,18 @@ def build_plan(config: ModelConfig, max_period: int = MAX_PERIOD, mtp: bool = Fa
                 best_p, best_reps, best_cover = p, reps, reps * p
         segments.append(Segment(i, tuple(kinds[i:i + best_p]), best_reps))
         i += best_p * best_reps
-    mtp_segment = None
+    mtp_segment = dspark_segment = None
     if mtp:
-        if mtp_depths(config) == 0:
+        if mtp_depths(config):
+            mtp_segment = Segment(n, (mtp_kind(config),), mtp_depths(config))
+        elif dspark_stages(config):
+            dspark_segment = Segment(n, (dspark_kind(config),), dspark_stages(config))
+        else:
             what = "no MTP block"
-            if config.dspark is not None or config.n_mtp_layers:
-                what = "a DSpark drafter (model-spec.md §5.8, not run by jdeep yet), not DeepSeek-V4's MTP blocks,"
+            if config.dspark is not None:
+                what = "a DSpark drafter on a DeepSeek-V4 backbone (model-spec.md §5.8, not run by jdeep),"
+            elif config.n_mtp_layers:
+                what = "a DSpark-style drafter without its DSpark fields (dspark_block_size),"
             raise ValueError(f"this model has {what} (num_nextn_predict_layers={config.n_mtp_layers}): "
-                             "mtp=True needs DeepSeek-V4's MTP blocks")
-        mtp_segment = Segment(n, (mtp_kind(config),), mtp_depths(config))
-    return LayerPlan(tuple(segments), mtp_segment)
+                             "mtp=True needs DeepSeek-V4's MTP blocks or DeepSeek-V4.1's DSpark stages")
+    return LayerPlan(tuple(segments), mtp_segment, dspark_segment)

@@ -95,7 +95,7 @@ _LATER_PREFIXES = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "i
 
 def _kept_for_later(name: str, config: ModelConfig) -> bool:
     """Tensors of modules the plan does not run: the MTP / DSpark drafter blocks (`mtp.*`, unless the plan holds
-    the MTP blocks), and V4.1's vision tower, aligner, image-span vectors and image routing bias. They are
+    the MTP blocks or the DSpark stages), and V4.1's vision tower, aligner, image-span vectors and image routing bias. They are
     accepted, not loaded."""
     if name.startswith(_LATER_PREFIXES):
         return True
@@ -126,7 +126,7 @@ def load_params_sharded(folder: str, config: ModelConfig, plan: LayerPlan, dtype
 
     Validation (names, shapes, dtypes) runs on the headers before any data is read and raises one
     CheckpointError listing every missing, unexpected, mis-shaped or wrongly typed tensor. `mtp.*` tensors
-    are loaded when the plan runs the MTP blocks (build_plan(mtp=True)), else accepted and skipped, as are
+    are loaded when the plan runs the MTP blocks or the DSpark stages (build_plan(mtp=True)), else accepted and skipped, as are
     V4.1's vision tensors.
 
     sharding_for(tree path, shape) -> jax.sharding.Sharding of that leaf. n_experts: the routed-expert axis
@@ -152,7 +152,10 @@ def load_params_sharded(folder: str, config: ModelConfig, plan: LayerPlan, dtype
     done = 0
     for key, (shape, cls) in leaf_plan(config, plan).items():
         items = fills[key]
-        if key[0] != "top" and items[0][2].expert is not None:
+        if key[0] != "top" and items[0][2].expert is not None and n_experts != E:
+            if shape[1] != E:
+                raise ValueError(f"{tree_path(key)}: padding the DSpark stages' {shape[1]} routed experts for a mesh "
+                                 "is not supported")
             shape = shape[:1] + (n_experts,) + shape[2:]
         dt = leaf_dtype(cls, dtype)
         sharding = sharding_for(tree_path(key), shape)

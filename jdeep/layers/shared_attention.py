@@ -33,7 +33,7 @@ from .norm import rms_norm
 from .rope import apply_rope
 
 __all__ = ["Published", "empty_published", "shared_attention", "compress_source", "candidate_blocks",
-           "candidate_mask"]
+           "candidate_mask", "query_heads", "window_entries", "window_codec"]
 
 
 class Published(NamedTuple):
@@ -158,6 +158,37 @@ def _index_select(x: jax.Array, q_latent: jax.Array, p: dict, keys: jax.Array, c
     return Published(idx, selected, blocks, kept)
 
 
+def query_heads(p: dict, x: jax.Array, positions: jax.Array, freqs: np.ndarray, *, config: ModelConfig,
+                numerics: Numerics) -> tuple[jax.Array, jax.Array]:
+    """x [B, S, d] (after attn_norm) at positions int32 [B, S] -> (q latent [B, S, q_lora_rank], RoPE'd queries
+    [B, S, H, D]); no per-head q norm in V4.1."""
+    B, S, _ = x.shape
+    q_latent = rms_norm(dense(x, p["wq_a"], numerics), p["q_norm"], config.norm_eps)
+    q = dense(q_latent, p["wq_b"], numerics).reshape(B, S, config.n_heads, config.head_dim)
+    return q_latent, apply_rope(q, positions[..., None], freqs)
+
+
+def window_entries(p: dict, x: jax.Array, positions: jax.Array, freqs: np.ndarray, *, config: ModelConfig,
+                   numerics: Numerics) -> tuple[jax.Array, jax.Array]:
+    """The window K=V of x [B, S, d] at positions int32 [B, S]: (raw kv_norm(W_kv x) RoPE'd [B, S, D], the value
+    attended: with DeepSeek's numerics fp8-simulated over all D dims, rope tail included, §5.3)."""
+    kv_raw = apply_rope(rms_norm(dense(x, p["wkv"], numerics), p["kv_norm"], config.norm_eps), positions, freqs)
+    if numerics.quantize_activations:
+        return kv_raw, fp8_fake_quant(kv_raw, numerics.kv_block, numerics.fp8_max)
+    return kv_raw, kv_raw
+
+
+def window_codec(numerics: Numerics, config: ModelConfig, dtype) -> tuple:
+    """(read, store) between window K=V values and ring rows: identity for float rows; with packed_kv, fp8 records
+    (store takes the raw values, window_entries' first output)."""
+    if not numerics.packed_kv:
+        return (lambda v: v), (lambda v: v)
+    nx = numerics
+    read = functools.partial(kernels.get("decode_window_v41"), D=config.head_dim, block=nx.kv_block, dtype=dtype)
+    store = functools.partial(kernels.get("encode_window_v41"), block=nx.kv_block, fp8_max=nx.fp8_max)
+    return read, store
+
+
 def shared_attention(p: dict, window: jax.Array, layer: jax.Array, sources: dict, row: jax.Array, x: jax.Array,
                      chunk: Chunk, published: Published, *, config: ModelConfig, numerics: Numerics, kind: LayerKind,
                      freqs: np.ndarray) -> tuple[jax.Array, jax.Array, dict, Published]:
@@ -166,23 +197,15 @@ def shared_attention(p: dict, window: jax.Array, layer: jax.Array, sources: dict
     window [R, B, W+1, D]: this slot's window rings (`layer` = repetition); sources: all shared caches
     (state["sources"]), `row` = this layer's source row in its ratio's group (traced int32).
     """
-    B, S, _ = x.shape
-    H, D, W, eps = config.n_heads, config.head_dim, config.window_size, config.norm_eps
+    D, W = config.head_dim, config.window_size
     pos = chunk.positions
 
-    q_latent = rms_norm(dense(x, p["wq_a"], numerics), p["q_norm"], eps)
-    q = dense(q_latent, p["wq_b"], numerics).reshape(B, S, H, D)           # no per-head norm in V4.1
-    q = apply_rope(q, pos[..., None], freqs)
-    kv_raw = apply_rope(rms_norm(dense(x, p["wkv"], numerics), p["kv_norm"], eps), pos, freqs)
-    kv = kv_raw
-    if numerics.quantize_activations:                                       # fp8 over all dims, rope included
-        kv = fp8_fake_quant(kv_raw, numerics.kv_block, numerics.fp8_max)
-    read = store = (lambda v: v)
+    q_latent, q = query_heads(p, x, pos, freqs, config=config, numerics=numerics)
+    kv_raw, kv = window_entries(p, x, pos, freqs, config=config, numerics=numerics)
+    read, store = window_codec(numerics, config, x.dtype)
     ckv_read = ikey_read = (lambda v: v)
     if numerics.packed_kv:
         nx = numerics
-        read = functools.partial(kernels.get("decode_window_v41"), D=D, block=nx.kv_block, dtype=x.dtype)
-        store = functools.partial(kernels.get("encode_window_v41"), block=nx.kv_block, fp8_max=nx.fp8_max)
         ckv_read = functools.partial(kernels.get("decode_ckv_v41"), D=D, block=nx.ckv_fp4_block, dtype=x.dtype)
         ikey_read = functools.partial(kernels.get("decode_ikey_v41"), DI=config.index_head_dim, block=nx.fp4_block,
                                       dtype=x.dtype)

@@ -59,7 +59,8 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     equal the number of devices (of all processes, after jax.distributed.initialize). Each process reads
     only the checkpoint slices its devices hold; routed experts are padded with zero experts to a multiple
     of the expert axis. Both compile modes run on the mesh, with an expert-parallel MoE.
-    mtp: also load DeepSeek-V4's MTP blocks (`mtp.*`, model-spec.md §4.7) into params["mtp"] (model/mtp.py);
+    mtp: also load the checkpoint's drafter blocks `mtp.*` into params["mtp"]: DeepSeek-V4's MTP blocks
+    (model-spec.md §4.7, model/mtp.py) or DeepSeek-V4.1's DSpark stages (§5.8, model/dspark.py; plan.dspark);
     otherwise their tensors are checked by name only and not read.
     The folder's tokenizer.json, if any, becomes `model.tokenizer` (text prompts and stop strings).
     On Neuron, load also sets the compiler's environment (platform.configure_neuron).
@@ -87,6 +88,9 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     if convert.is_converted(path) and config.engram is not None:
         raise ValueError(f"{path}: converted (Orbax) folders of models with Engram layers are not supported yet; "
                          "load the original checkpoint folder")
+    if plan.dspark is not None and mesh is not None:
+        raise ValueError("the DSpark stages (mtp=True on a DeepSeek-V4.1 checkpoint) do not run on a mesh yet; load "
+                         "without mesh=")
     if mtp and convert.is_converted(path):
         raise ValueError(f"{path}: converted (Orbax) folders hold no MTP blocks; load the original checkpoint folder "
                          "for mtp=True")

@@ -39,9 +39,11 @@ def _unpacked(p: Any) -> dict:
     return p.unpack() if isinstance(p, Packed) else p
 
 
-def segment_inputs(seg: Segment, config: ModelConfig, engram: tuple | None) -> list[dict]:
+def segment_inputs(seg: Segment, config: ModelConfig, engram: tuple | None, tap_layers: tuple[int, ...] = ()
+                   ) -> list[dict]:
     """Per-slot scanned inputs of a segment, one entry per repetition: "row" (int32 [R], each layer's row in its
-    ratio's shared caches; shared-KV compressed layers) and "engram" (each layer's table rows; Engram layers)."""
+    ratio's shared caches; shared-KV compressed layers), "engram" (each layer's table rows; Engram layers) and,
+    when tap_layers are given, "tap" (int32 [R]: each layer's index in tap_layers, -1 if it is not one)."""
     aux = []
     for j, kind in enumerate(seg.pattern):
         layers = [seg.layer(r, j) for r in range(seg.reps)]
@@ -51,42 +53,58 @@ def segment_inputs(seg: Segment, config: ModelConfig, engram: tuple | None) -> l
         if kind.engram:
             order = np.asarray([config.engram.layer_ids.index(li) for li in layers])
             a["engram"] = (engram[0][order], engram[1][order])
+        if tap_layers:
+            a["tap"] = jnp.asarray([tap_layers.index(li) if li in tap_layers else -1 for li in layers], jnp.int32)
         aux.append(a)
     return aux
 
 
+def _take_tap(taps: jax.Array, tap: jax.Array, X: jax.Array) -> jax.Array:
+    """taps [B, S, n_taps, d] with entry `tap` (traced int32; -1 = this layer is no target) set to mean_i X_i
+    (X [B, S, n, d], the streams entering the layer)."""
+    hit = jnp.arange(taps.shape[2], dtype=jnp.int32) == tap
+    return jnp.where(hit[:, None], jnp.mean(X, axis=2)[:, :, None, :].astype(taps.dtype), taps)
+
+
 def _run_segment(seg: Segment, seg_params: list, seg_state: list, sources: dict, streams: Streams, aux: list,
-                 chunk, config: ModelConfig, numerics: Numerics, record: bool, layout=None, index_loss: bool = False):
+                 chunk, config: ModelConfig, numerics: Numerics, record: bool, layout=None, index_loss: bool = False,
+                 taps: jax.Array | None = None):
     """The segment's lax.scan. Returns (streams, state, sources, recorded streams per repetition, indexer
-    objective fp32 [2] summed over the segment's indexer layers (None without index_loss))."""
+    objective fp32 [2] summed over the segment's indexer layers (None without index_loss), taps (the
+    accumulator [B, S, n_taps, d] with this segment's target layers filled in; None without taps))."""
     split = [slot_params(sp) for sp in seg_params]
     per_layer = [s[0] for s in split]
     experts = [s[1] for s in split]
     freqs = [inv_freq(config.rope_for(kind.attn), config.rope_head_dim) for kind in seg.pattern]
 
     def body(carry, xs):
-        streams, st, sources, r = carry
+        streams, st, sources, r, taps = carry
         p_slots, a_slots = xs
         st = list(st)
         outs = [] if record else None
         losses = [] if index_loss else None
         for j, kind in enumerate(seg.pattern):
             a = a_slots[j]
+            # a tap reads the streams entering the layer after its Engram update, which block records first
+            seen = outs if outs is not None else ([] if taps is not None and kind.engram else None)
+            first_seen, entering = len(seen or ()), streams.X
             streams, st[j], sources = block(_unpacked(p_slots[j]), experts[j], st[j], sources, r, a.get("row"),
                                             streams, a.get("engram"), chunk, config=config, numerics=numerics,
-                                            kind=kind, freqs=freqs[j], record=outs, layout=layout, losses=losses)
+                                            kind=kind, freqs=freqs[j], record=seen, layout=layout, losses=losses)
+            if taps is not None:
+                taps = _take_tap(taps, a["tap"], seen[first_seen] if kind.engram else entering)
         loss = sum(losses, jnp.zeros(2, jnp.float32)) if index_loss else None
-        return (streams, st, sources, r + 1), (outs, loss)
+        return (streams, st, sources, r + 1, taps), (outs, loss)
 
-    init = (streams, list(seg_state), sources, jnp.int32(0))
-    (streams, seg_state, sources, _), (ys, loss) = jax.lax.scan(body, init, (per_layer, aux))
-    return streams, seg_state, sources, ys, (jnp.sum(loss, axis=0) if index_loss else None)
+    init = (streams, list(seg_state), sources, jnp.int32(0), taps)
+    (streams, seg_state, sources, _, taps), (ys, loss) = jax.lax.scan(body, init, (per_layer, aux))
+    return streams, seg_state, sources, ys, (jnp.sum(loss, axis=0) if index_loss else None), taps
 
 
 def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Array, engram: tuple | None = None,
                embeds: jax.Array | None = None, *, config: ModelConfig, plan: LayerPlan,
                numerics: Numerics = Numerics(), all_logits: bool = False, streams: bool = False, layout=None,
-               training: bool = False, hidden: bool = False):
+               training: bool = False, hidden: bool = False, taps: bool = False):
     """One chunk through the model.
 
     tokens int32 [B, S]; positions int32 [B, S] (absolute, consecutive per row, -1 = padding after the
@@ -103,18 +121,25 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     streams X [B, S, n, d] (the MTP blocks' input), and "index_kl" fp32 [2], the indexer objective summed over
     the V4 indexer layers and its number of terms (layers/index_loss.py).
     hidden: a last output is the final streams X [B, S, n, d] alone (what the MTP drafter reads while decoding).
+    taps (V4.1 with DSpark): a last output is main_hidden [B, S, n_taps*d] in the activation dtype, what the DSpark
+    drafter reads (model/dspark.py): per target layer (config.dspark.target_layer_ids, in layer order as DeepSeek
+    collects them) the mean over the n streams entering it (after its Engram update), concatenated; gathered
+    inside the scans.
     """
     require_engram(plan, engram)
     chunk = make_chunk(tokens, positions, config.vocab_size)
     s = embed_streams(params.get("embed"), chunk.tokens, embeds, config=config, plan=plan)
+    tap_layers = _tap_layers(config) if taps else ()
+    tapped = jnp.zeros(tokens.shape + (len(tap_layers), config.dim), s.X.dtype) if taps else None
     sources = state["sources"]
     segments = []
     block_out: list = [None] * config.n_layers
     engram_out: list = []
     for i, seg in enumerate(plan.segments):
-        aux = segment_inputs(seg, config, engram)
-        s, seg_state, sources, ys, seg_loss = _run_segment(seg, params["segments"][i], state["segments"][i], sources,
-                                                           s, aux, chunk, config, numerics, streams, layout, training)
+        aux = segment_inputs(seg, config, engram, tap_layers)
+        s, seg_state, sources, ys, seg_loss, tapped = _run_segment(
+            seg, params["segments"][i], state["segments"][i], sources, s, aux, chunk, config, numerics, streams,
+            layout, training, tapped)
         if training:
             index_kl = seg_loss if i == 0 else index_kl + seg_loss
         segments.append(seg_state)
@@ -143,4 +168,17 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
         outputs += ({"hidden": s.X, "index_kl": index_kl},)
     elif hidden:
         outputs += (s.X,)
+    if taps:
+        outputs += (tapped.reshape(tapped.shape[:2] + (-1,)),)
     return outputs
+
+
+def _tap_layers(config: ModelConfig) -> tuple[int, ...]:
+    """The DSpark drafter's target layers (model_step(taps=True)); ValueError for a model without them."""
+    if config.dspark is None or not config.dspark.target_layer_ids:
+        raise ValueError("taps=True reads the DSpark drafter's target layers (dspark_target_layer_ids); this model "
+                         "has none")
+    bad = [i for i in config.dspark.target_layer_ids if not 0 <= i < config.n_layers]
+    if bad:
+        raise ValueError(f"dspark_target_layer_ids {bad} are not backbone layers [0, {config.n_layers})")
+    return tuple(sorted(set(config.dspark.target_layer_ids)))   # DeepSeek appends them while walking the layers
