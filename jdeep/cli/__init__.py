@@ -10,7 +10,8 @@ import sys
 from ..presets import PRESET_NAMES
 from ..tools.bench import PREFILL_CHUNK
 from ..tools.programs import SERVING_BATCH_SIZES, SERVING_PREFILL_LEN, SERVING_PREFILL_TOKENS
-from .args import (BARE, RUNTIME, add_graph_args, add_load_args, add_process_args, add_sampling_args, init_distributed,
+from .args import (BARE, RUNTIME, add_graph_args, add_load_args, add_process_args, add_sampling_args,
+                   add_speculative_arg, init_distributed,
                    setup_compile_cache)
 from .commands import (cmd_bench, cmd_chat, cmd_check_graph, cmd_convert, cmd_demo, cmd_eval, cmd_export, cmd_generate,
                        cmd_info, cmd_serve)
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-len", type=int, default=2048, help="longest prompt + output for --prompts-file")
     add_sampling_args(g, max_new_tokens=16, temperature=0.0, top_p=1.0)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
+    add_speculative_arg(g)
     add_load_args(g)
     add_process_args(g)
     g.set_defaults(fn=cmd_generate)
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--system", help="system prompt")
     ch.add_argument("--thinking", action="store_true", help="open each reply in thinking mode (<think>)")
     add_sampling_args(ch, max_new_tokens=512, temperature=0.7, top_p=0.95)
+    add_speculative_arg(ch)
     add_load_args(ch, "dtype", *RUNTIME)
     add_process_args(ch)
     ch.set_defaults(fn=cmd_chat)
@@ -75,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "prefill in what is left, oldest first (default: max-num-seqs + prefill-chunk; smaller "
                          "lowers the streams' inter-token latency while long prompts prefill, at their TTFT's cost)")
     sv.add_argument("--seed", type=int, default=0, help="base seed of requests sent without one")
+    add_speculative_arg(sv, "; every request drafts k tokens per iteration")
     sv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="compile every batch-size and prefill-length bucket before serving (default on: no compile "
                          "pauses under traffic)")
@@ -116,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated prefill chunk lengths for --mixed; each runs with the engine's default "
                         f"token budget, slots + chunk (default {PREFILL_CHUNK})")
     b.add_argument("--prompts-file", help="JSONL with prompt_ids per line instead of random prompts")
+    add_speculative_arg(b, "; the bench then compares greedy decode tok/s with k = 1 .. num_speculative_tokens "
+                           "against plain decoding on the same prompts, with the acceptance per draft position")
     b.add_argument("--seed", type=int, default=0)
     add_load_args(b, "dtype", dtype={"default": None, "help": "default: float32 on CPU (XLA:CPU emulates bfloat16 "
                                      "matmuls, several times slower), bfloat16 on accelerators"})

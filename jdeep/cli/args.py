@@ -4,6 +4,7 @@ compile-cache flags, and turning parsed arguments into load keywords, SamplingPa
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
@@ -16,6 +17,7 @@ from ..io.tokenizer import Tokenizer
 from ..platforms import cache_xla_flags
 from ..presets import PRESET_NAMES
 from ..runtime.sampling import SamplingParams
+from ..speculative.config import parse_speculative
 
 DTYPES = ["float32", "bfloat16"]
 BARE = {"help": None}   # a flag listed without help text (jdeep serve's numerics flags, check-graph's)
@@ -52,6 +54,22 @@ def add_load_args(p: argparse.ArgumentParser, *names: str, **overrides: dict[str
 def load_kwargs(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     """The jdeep.load keywords of the load flags this command has, plus `extra` (progress=True)."""
     return {**{name: getattr(args, name) for name in LOAD_FLAGS if hasattr(args, name)}, **extra}
+
+
+def speculative_json(text: str) -> dict:
+    """--speculative-config: vLLM's JSON spelling, e.g. '{"method": "mtp", "num_speculative_tokens": 2}'."""
+    try:
+        spec = json.loads(text)
+        parse_speculative(spec)
+    except (json.JSONDecodeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"--speculative-config: {e}") from None
+    return spec
+
+
+def add_speculative_arg(p: argparse.ArgumentParser, what: str = "") -> None:
+    p.add_argument("--speculative-config", type=speculative_json, metavar="JSON",
+                   help='speculative decoding, vLLM\'s spelling: \'{"method": "mtp", "num_speculative_tokens": 2}\' '
+                        f"(loads the checkpoint's MTP block){what}")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int, temperature: float, top_p: float) -> None:

@@ -20,12 +20,13 @@ from ..io.convert import save_converted
 from ..io.tokenizer import Tokenizer
 from ..param_spec import weight_formats
 from ..presets import BENCH_DEFAULT_CONFIG, TINY_CONFIG, preset, tiny_v41_config
-from ..runtime.engine import Engine
 from ..runtime.sampling import SamplingParams
 from ..runtime.steps import MIN_BUCKET
 from ..serve.server import ServerSettings, serve
 from ..sharding import parse_mesh
-from ..tools.bench import result_head, format_report, plot_sweep, run_bench, run_context_sweep
+from ..speculative.config import parse_speculative
+from ..speculative.engine import make_engine
+from ..tools.bench import bench_prompts, format_report, plot_sweep, result_head, run_bench, run_context_sweep
 from ..tools.compare import hf_config, require_transformers  # imports torch only when called
 from ..tools.evaluate import NUMERICS_MODES, compare, format_table, load_modes, read_texts
 from ..tools.export import export_programs, model_info
@@ -35,6 +36,7 @@ from ..tools.mixed_load import run_mixed
 from ..tools.mtp_eval import format_mtp_table, mtp_accuracy
 from ..tools.programs import Target, chunk_buckets, model_programs
 from ..tools.random_weights import random_checkpoint
+from ..tools.spec_bench import run_speculative
 from .args import batch_sizes, folder_tokenizer, load_kwargs, np_dtype, parse_ints, sampling_params
 
 
@@ -97,7 +99,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     given = [a for a in (args.prompt_ids, args.prompt, args.prompts_file) if a is not None]
     if len(given) != 1:
         raise SystemExit("jdeep generate: give exactly one of --prompt-ids, --prompt or --prompts-file")
-    model = load(args.model, **load_kwargs(args, progress=True))
+    spec = args.speculative_config
+    model = load(args.model, **load_kwargs(args, progress=True, mtp=spec is not None))
     tok = folder_tokenizer(args.model)
     if args.prompts_file is not None:
         return _generate_file(args, model, tok)
@@ -108,7 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         ids = parse_ints(args.prompt_ids, "--prompt-ids")
     try:
-        out = generate(model, [ids], sampling=sampling_params(args), ignore_eos=args.ignore_eos)
+        out = generate(model, [ids], sampling=sampling_params(args), ignore_eos=args.ignore_eos, speculative=spec)
     except ValueError as e:
         raise SystemExit(f"jdeep generate: {e}") from None
     tokens = out.tokens[0, :out.lengths[0]].tolist()
@@ -124,7 +127,8 @@ def _generate_file(args: argparse.Namespace, model, tok: Tokenizer | None) -> in
     sampling fields), through the continuous-batching engine; one JSON line per request out, in input order."""
     with open(args.prompts_file, encoding="utf-8") as f:
         lines = [ln for ln in f.read().splitlines() if ln.strip()]
-    eng = Engine(model, max_num_seqs=args.max_num_seqs, max_len=args.max_len, ignore_eos=args.ignore_eos)
+    eng = make_engine(model, args.speculative_config, max_num_seqs=args.max_num_seqs, max_len=args.max_len,
+                      ignore_eos=args.ignore_eos)
     order = []
     for n, ln in enumerate(lines):
         rid = f"line-{n}"
@@ -167,7 +171,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     tok = folder_tokenizer(args.model)
     if tok is None:
         raise SystemExit(f"jdeep chat: {args.model} has no tokenizer.json")
-    model = load(args.model, **load_kwargs(args, progress=True))
+    model = load(args.model, **load_kwargs(args, progress=True, mtp=args.speculative_config is not None))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -185,7 +189,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(detok.push(new[0]), end="", flush=True)
 
         out = generate(model, [tok.chat(messages, thinking=args.thinking)], sampling=sampling_params(args),
-                       stream=show, stream_every=4)
+                       stream=show, stream_every=4, speculative=args.speculative_config)
         print(detok.flush(), flush=True)
         reply = out.tokens[0, :out.lengths[0]].tolist()
         messages.append({"role": "assistant", "content": tok.decode(reply)})
@@ -207,10 +211,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
     if not os.path.isdir(args.model):
         raise FileNotFoundError(f"--model {args.model} is not a folder")
-    model = load(args.model, **load_kwargs(args, progress=True))
+    model = load(args.model, **load_kwargs(args, progress=True, mtp=args.speculative_config is not None))
     tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else model.tokenizer
-    engine = Engine(model, max_num_seqs=args.max_num_seqs, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                    seed=args.seed, tokenizer=tokenizer, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = make_engine(model, args.speculative_config, max_num_seqs=args.max_num_seqs, max_len=args.max_len,
+                         prefill_chunk=args.prefill_chunk, seed=args.seed, tokenizer=tokenizer,
+                         max_num_batched_tokens=args.max_num_batched_tokens)
     if args.warmup:
         t0 = time.perf_counter()
         n = engine.warmup()
@@ -244,6 +249,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise SystemExit("jdeep bench: --context-sweep runs random prompts at batch 1; it takes neither --compare nor "
                          "--prompts-file")
     mixed_chunks = parse_ints(args.mixed_chunks, "--mixed-chunks") if args.mixed is not None else None
+    spec = args.speculative_config
+    if spec is not None and (args.mixed is not None or contexts is not None or args.compare):
+        raise SystemExit("jdeep bench: --speculative-config runs the batch-size sweep; it takes none of --mixed, "
+                         "--context-sweep, --compare")
     if args.mixed is not None and (contexts is not None or args.compare or args.prompts_file):
         raise SystemExit("jdeep bench: --mixed runs random prompts through the engine; it takes none of "
                          "--context-sweep, --compare, --prompts-file")
@@ -260,12 +269,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
             folder = tmp
         if args.compare:
             hf_config(ModelConfig.from_file(folder))     # an incomparable checkpoint fails before loading
-        model = load(folder, **load_kwargs(args, progress=True))
+        model = load(folder, **load_kwargs(args, progress=True, mtp=spec is not None))
         prompts = None
         if args.prompts_file:
             with open(args.prompts_file, encoding="utf-8") as f:
                 prompts = [json.loads(ln)["prompt_ids"] for ln in f if ln.strip()]
-        if mixed_chunks is not None:
+        if spec is not None:
+            result = result_head(model, None)
+            result["runs"] = []
+            sets = bench_prompts(model.config, args.input_len, sizes, args.seed, prompts)
+            result["speculative"] = run_speculative(model, sets, args.output_len,
+                                                    range(1, parse_speculative(spec)[1] + 1), progress=_spec_progress)
+        elif mixed_chunks is not None:
             result = result_head(model, None)
             result["runs"] = []
             result["mixed"] = run_mixed(model, args.mixed, args.mixed_streams, mixed_chunks, seed=args.seed,
@@ -287,6 +302,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ImportError:
             raise SystemExit("jdeep bench: --plot needs matplotlib (pip install matplotlib)") from None
     return 0
+
+
+def _spec_progress(batch_size: int, e: dict) -> None:
+    print(f"batch {batch_size}, k {e['k']}: {e['decode_tok_s']:.1f} decode tok/s ({e['speedup']:.2f} x plain), "
+          f"{e['mean_accepted_length'] - 1:.2f} drafts accepted per iteration", file=sys.stderr, flush=True)
 
 
 def _mixed_progress(r: dict) -> None:

@@ -30,13 +30,20 @@ from ..numerics import Numerics
 from ..plan import LayerPlan
 from ..state import empty_slot_state
 
-__all__ = ["mtp_step", "mtp_inputs", "empty_mtp_state"]
+__all__ = ["mtp_step", "mtp_inputs", "empty_mtp_state", "init_mtp_state"]
 
 
 def empty_mtp_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any,
                     numerics: Numerics | None = None) -> dict:
     """The MTP blocks' fresh window state: {"window": [depths, B, W+1, D | record]}."""
     return empty_slot_state(config, plan.mtp.pattern[0], plan.mtp.reps, batch, max_len, dtype, numerics)
+
+
+def init_mtp_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any,
+                   numerics: Numerics | None = None) -> dict:
+    """empty_mtp_state placed on the default device (committed, like init_state, so the first call of a program and
+    the later ones, on its outputs, hit one compiled program)."""
+    return jax.device_put(empty_mtp_state(config, plan, batch, max_len, dtype, numerics), jax.devices()[0])
 
 
 def mtp_inputs(tokens: jax.Array, positions: jax.Array, depth: int = 0) -> tuple[jax.Array, jax.Array]:

@@ -39,7 +39,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import jax
@@ -48,7 +48,7 @@ import numpy as np
 from ..model.cache import PROGRAMS
 from ..model.model import Model
 from ..state import move_slot, reset_slots
-from .requests import Request, RequestError, check_request
+from .requests import Request, RequestError, RequestOutput, check_request
 from .sampling import SEED_MAX, SamplingBatch, SamplingParams, batch_params
 from .scheduler import Iteration, Scheduler, Window, floor_pow2
 from .steps import MIN_BUCKET, batch_bucket, length_bucket, pack_chunk, run_step, sample_program
@@ -57,19 +57,6 @@ from .stops import StopMatcher
 __all__ = ["Engine", "RequestOutput", "IterationStats", "default_batched_tokens"]
 
 log = logging.getLogger("jdeep.engine")
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None     # "stop" (stop token / EOS / stop string), "length", "abort", "error" (or
-                                         # another reason given to `abort`, e.g. a server's "timeout")
-    error: str | None = None
-    text: str | None = None              # the generated text so far (cut before a stop string), given a tokenizer
-    queue_time: float | None = None      # seconds from add_request until it took a slot
 
 
 @dataclass(frozen=True)
@@ -101,11 +88,12 @@ class Engine:
     """engine = Engine(model, max_num_seqs=8); engine.add_request(ids, SamplingParams(...)); engine.run()."""
 
     def __init__(self, model: Model, max_num_seqs: int = 8, max_len: int = 2048, prefill_chunk: int = 256,
-                 seed: int = 0, ignore_eos: bool = False, tokenizer=None, max_num_batched_tokens: int | None = None):
+                 seed: int = 0, ignore_eos: bool = False, tokenizer=None, max_num_batched_tokens: int | None = None,
+                 decode_width: int = 1):
         """prefill_chunk: the longest prefill chunk (rounded down to a power of two). max_num_batched_tokens: token
         positions one iteration may compute, decode rows first (default_batched_tokens: a full decode window plus
         one longest chunk). tokenizer: for text prompts, stop strings and RequestOutput.text (default:
-        model.tokenizer)."""
+        model.tokenizer). decode_width: positions a decoding request computes per iteration (speculative engines)."""
         if max_num_seqs < 1 or max_len < 2 or prefill_chunk < 1:
             raise ValueError(f"max_num_seqs, max_len and prefill_chunk must be positive, got {max_num_seqs}, "
                              f"{max_len}, {prefill_chunk}")
@@ -117,14 +105,14 @@ class Engine:
         self.n_slots = batch_bucket(max_num_seqs)
         self.max_len = max_len
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = default_batched_tokens(self.n_slots, prefill_chunk)
+            max_num_batched_tokens = default_batched_tokens(self.n_slots * decode_width, prefill_chunk)
         mode = "pool" if model.engram is not None else "prefix" if model.layout is not None else "aligned"
-        self.scheduler = Scheduler(self.n_slots, max_num_batched_tokens, prefill_chunk, mode)
+        self.scheduler = Scheduler(self.n_slots, max_num_batched_tokens, prefill_chunk, mode, decode_width)
         self.chunk = self.scheduler.max_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
         self.seed = seed
         self.eos = None if ignore_eos else model.config.eos_token_id
-        self.state = model.init_state(self.n_slots, length_bucket(max_len, 256))
+        self.state = model.init_state(self.n_slots, self._cache_len())
         self.history = model.new_history(self.n_slots)
         self.slots: list[_Slot | None] = [None] * self.n_slots
         self.waiting: deque[_Slot] = deque()
@@ -212,7 +200,7 @@ class Engine:
         may be gone)."""
         for s in list(self.waiting) + [s for s in self.slots if s is not None]:
             self.abort(s.out.request_id)
-        self.state = self.model.init_state(self.n_slots, length_bucket(self.max_len, 256))
+        self.state = self.model.init_state(self.n_slots, self._cache_len())
         self.history = self.model.new_history(self.n_slots)
 
     def release(self, request_id: str) -> RequestOutput | None:
@@ -258,7 +246,7 @@ class Engine:
         if taken:
             mask = np.zeros(self.n_slots, bool)
             mask[taken] = True
-            self.state = _reset(self.state, self.model.put(mask))
+            self._reset_slots(mask)
             if self.history is not None:
                 self.history.reset(taken)
         return failed, waited
@@ -273,12 +261,24 @@ class Engine:
         free = [i for i in range(target) if self.slots[i] is None]
         for src in sorted((i for i in used if i >= target), reverse=True):
             dst = free.pop(0)
-            self.state = _move(self.state, self.model.put(np.int32(src)), self.model.put(np.int32(dst)))
+            self._move_slot(self.model.put(np.int32(src)), self.model.put(np.int32(dst)))
             self.slots[dst], self.slots[src] = self.slots[src], None
             for a in self._rows:
                 a[dst] = a[src]
             self._last[dst] = self._last[src]
             self.totals["slot_moves"] += 1
+
+    def _cache_len(self) -> int:
+        """The decode state's length: max_len rounded up to a bucket."""
+        return length_bucket(self.max_len, 256)
+
+    def _reset_slots(self, mask: np.ndarray) -> None:
+        """Empty the device state of the slots where mask [n_slots] is True."""
+        self.state = _reset(self.state, self.model.put(mask))
+
+    def _move_slot(self, src, dst) -> None:
+        """Copy slot src's device state over slot dst (int32 scalars placed on the device)."""
+        self.state = _move(self.state, src, dst)
 
     def _sampling_row(self, slot: _Slot) -> SamplingBatch:
         """One request's sampling values and PRNG key as a 1-row host batch (host work for one request)."""
@@ -298,22 +298,32 @@ class Engine:
                                           start=window.start)
         return logits
 
+    def _window_rows(self, window: Window) -> SamplingBatch:     # the window's sampling rows (host arrays)
+        return SamplingBatch(*(a[window.start:window.start + window.rows] for a in self._rows))
+
     def _emit(self, logits: jax.Array, window: Window, rows: list[int]) -> list[RequestOutput]:
         """Sample the next token of each slot in `rows` from the window's logits [window.rows, V]; push it."""
         lo, hi = window.start, window.start + window.rows
         counts = np.array([len(s.out.tokens) if s is not None else 0 for s in self.slots[lo:hi]], np.int32)
-        sb = SamplingBatch(*(a[lo:hi] for a in self._rows))
-        nxt = self.model.fetch(sample_program()(*self.model.to_sampler((logits, sb, counts))))
+        nxt = self.model.fetch(sample_program()(*self.model.to_sampler((logits, self._window_rows(window), counts))))
+        return self._deliver({i: [int(nxt[i - lo])] for i in rows})
+
+    def _deliver(self, new: dict[int, Sequence[int]]) -> list[RequestOutput]:
+        """Push each slot's new tokens (slot -> tokens, in order) until its request finishes; returns those that
+        finished (their slots freed)."""
         done = []
-        for i in rows:
+        for i, tokens in new.items():
             s = self.slots[i]
-            t = int(nxt[i - lo])
-            self._last[i] = t
-            try:
-                finished = self._push_token(s, t)
-            except Exception as e:      # this request's own host work failed: it ends alone
-                self._fail(s, "detokenising its output", e)
-                finished = True
+            finished = False
+            for t in tokens:
+                self._last[i] = t
+                try:
+                    finished = self._push_token(s, int(t))
+                except Exception as e:      # this request's own host work failed: it ends alone
+                    self._fail(s, "detokenising its output", e)
+                    finished = True
+                if finished:
+                    break
             if finished:
                 self.slots[i] = None
                 done.append(s.out)
@@ -386,7 +396,7 @@ class Engine:
         slot move. Rows carry position -1, so the state and the requests in it are untouched. Returns the number
         of programs run."""
         counts = dict(self.steps_per_bucket)
-        self.state = _reset(self.state, self.model.put(np.zeros(self.n_slots, bool)))
+        self._reset_slots(np.zeros(self.n_slots, bool))
         steps = [(n, 1) for n in self.scheduler.decode_programs()] + self.scheduler.prefill_programs()
         logits = {}
         for n, S in steps:
@@ -397,7 +407,7 @@ class Engine:
         n_moves = 0
         if self.scheduler.window_mode != "pool" and self.n_slots > 1:     # (one slot never moves)
             zero = self.model.put(np.int32(0))
-            self.state = _move(self.state, zero, zero)
+            self._move_slot(zero, zero)
             n_moves = 1
         jax.block_until_ready(self.state)
         self.steps_per_bucket = counts

@@ -1,4 +1,5 @@
-"""A generation request, validated once: its prompt as token ids, its sampling values and the token ids that end it.
+"""A generation request, validated once: its prompt as token ids, its sampling values and the token ids that end it;
+and RequestOutput, what the Engine reports about one.
 
 Every entry point (jdeep.generate, the Engine, the HTTP server through the Engine) checks a request here and
 nowhere else; the error names the problem (bad ids, text without a tokenizer, bad sampling values, a request
@@ -7,14 +8,14 @@ longer than the context) and, for a server, the field it is about (`param`) and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
 from .sampling import SamplingParams
 
-__all__ = ["RequestError", "Request", "prompt_ids", "check_request", "stop_ids"]
+__all__ = ["RequestError", "Request", "RequestOutput", "prompt_ids", "check_request", "stop_ids"]
 
 
 class RequestError(ValueError):
@@ -33,6 +34,19 @@ class Request:
     ids: np.ndarray
     params: SamplingParams
     stop_ids: tuple[int, ...]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None     # "stop" (stop token / EOS / stop string), "length", "abort", "error" (or
+                                         # another reason given to `abort`, e.g. a server's "timeout")
+    error: str | None = None
+    text: str | None = None              # the generated text so far (cut before a stop string), given a tokenizer
+    queue_time: float | None = None      # seconds from add_request until it took a slot
 
 
 def prompt_ids(prompt: Sequence[int] | str, vocab_size: int, tokenizer=None, index: int = 0) -> np.ndarray:

@@ -36,14 +36,16 @@ class Window:
 
 @dataclass
 class Iteration:
-    """One iteration's plan. decode: the slots decoding a token (ascending); prefill: slot -> prompt tokens it takes
-    (oldest request first); chunk: the prefill program's length bucket S."""
+    """One iteration's plan. decode: the slots decoding (ascending), each over `decode_width` positions (1, or k + 1
+    with k speculative tokens); prefill: slot -> prompt tokens it takes (oldest request first); chunk: the prefill
+    program's length bucket S."""
 
     decode: list[int] = field(default_factory=list)
     decode_window: Window | None = None
     prefill: dict[int, int] = field(default_factory=dict)
     prefill_window: Window | None = None
     chunk: int = 0
+    decode_width: int = 1
 
     @property
     def decode_tokens(self) -> int:
@@ -56,7 +58,7 @@ class Iteration:
     @property
     def cost(self) -> int:
         """Token positions the iteration's programs compute (padding included)."""
-        return ((self.decode_window.rows if self.decode_window else 0)
+        return ((self.decode_window.rows * self.decode_width if self.decode_window else 0)
                 + (self.prefill_window.rows * self.chunk if self.prefill_window else 0))
 
 
@@ -82,9 +84,11 @@ def covering_window(slots: Sequence[int], n_slots: int, mode: str = "aligned") -
 
 class Scheduler:
     """Plans iterations for a pool of `n_slots` slots (a power of two) under a budget of `max_batched_tokens` token
-    positions per iteration, with prefill chunks of at most `max_chunk` tokens (rounded down to a power of two)."""
+    positions per iteration, with prefill chunks of at most `max_chunk` tokens (rounded down to a power of two).
+    decode_width: positions one decoding request computes per iteration (k + 1 with k speculative tokens)."""
 
-    def __init__(self, n_slots: int, max_batched_tokens: int, max_chunk: int, window_mode: str = "aligned"):
+    def __init__(self, n_slots: int, max_batched_tokens: int, max_chunk: int, window_mode: str = "aligned",
+                 decode_width: int = 1):
         if n_slots < 1 or n_slots & (n_slots - 1):
             raise ValueError(f"n_slots must be a power of two, got {n_slots}")
         if max_chunk < 1:
@@ -95,6 +99,7 @@ class Scheduler:
         if window_mode not in ("aligned", "prefix", "pool"):
             raise ValueError(f"unknown window mode {window_mode!r}")
         self.n_slots, self.budget, self.window_mode = n_slots, max_batched_tokens, window_mode
+        self.decode_width = decode_width
         self.max_chunk = max(MIN_BUCKET, floor_pow2(max_chunk))
 
     def window(self, slots: Sequence[int]) -> Window:
@@ -103,14 +108,14 @@ class Scheduler:
     def schedule(self, remaining: Sequence[int | None], order: Sequence[int] | None = None) -> Iteration:
         """remaining[i]: prompt tokens slot i still has to prefill (0: it decodes; None: the slot is free).
         order[i]: its request's arrival rank (lower = older; default the slot index)."""
-        it = Iteration()
+        it = Iteration(decode_width=self.decode_width)
         it.decode = [i for i, r in enumerate(remaining) if r == 0]
         if it.decode:
             it.decode_window = self.window(it.decode)
         waiting = sorted((i for i, r in enumerate(remaining) if r), key=lambda i: (order or range(len(remaining)))[i])
         if not waiting:
             return it
-        left = self.budget - (it.decode_window.rows if it.decode_window else 0)
+        left = self.budget - (it.decode_window.rows * self.decode_width if it.decode_window else 0)
         first = waiting[0]
         window = self.window([first])
         cap = min(self.max_chunk, max(MIN_BUCKET, floor_pow2(max(1, left // window.rows))))

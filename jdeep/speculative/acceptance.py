@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from ..runtime.sampling import SamplingBatch, filtered_logits
 
-__all__ = ["distribution", "draw", "accept", "uniform"]
+__all__ = ["distribution", "draw", "accept", "accept_greedy", "uniform"]
 
 _Q_FLOOR = 1e-8
 
@@ -87,3 +87,11 @@ def accept(drafts: jax.Array, q: jax.Array, p: jax.Array, sb: SamplingBatch, cou
     offs = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     tokens = jnp.where(offs < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), last[:, None])
     return tokens.astype(jnp.int32), accepted
+
+
+def accept_greedy(drafts: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`accept` for a batch of greedy rows, from the target's logits fp32 [B, k+1, V] alone (no distributions): the
+    longest prefix of drafts equal to the target's argmax, then its argmax. Same outputs as `accept`."""
+    g = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)                            # [B, k+1]
+    accepted = jnp.sum(jnp.cumprod((drafts == g[:, :-1]).astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    return g, accepted

@@ -32,12 +32,12 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from ..model.model import Model
-from ..model.mtp import empty_mtp_state, mtp_step
+from ..model.mtp import init_mtp_state, mtp_step
 from ..model.scan import model_step
 from ..runtime.sampling import SamplingBatch, SamplingParams, batch_params, sample
 from ..runtime.steps import batch_bucket, length_bucket
 from . import undo
-from .acceptance import accept, distribution, draw
+from .acceptance import accept, accept_greedy, distribution, draw
 
 __all__ = ["Carry", "mtp_generate", "check_mtp_model", "prefill_chunk", "iteration", "iterations", "SpecStats"]
 
@@ -88,9 +88,11 @@ def prefill_chunk(params, state, mstate, tokens, positions, next_tokens, sb, *, 
     return first, mlogits, hm, state, mstate
 
 
-def iteration(params, state, mstate, carry: Carry, sb: SamplingBatch, stops, max_new, *, k, config, plan, numerics):
+def iteration(params, state, mstate, carry: Carry, sb: SamplingBatch, stops, max_new, *, k, config, plan, numerics,
+              greedy: bool = False):
     """One draft-verify-restore-catch-up iteration (module docstring). stops int32 [B, W] (-1 = unused), max_new
-    int32 [B]. Returns (state, mstate, carry, emitted int32 [B, k+1] (-1 past what the row emits), accepted int32 [B]
+    int32 [B]. greedy: every row is greedy (a program variant that compares argmaxes and builds no distributions;
+    the same tokens). Returns (state, mstate, carry, emitted int32 [B, k+1] (-1 past what the row emits), accepted int32 [B]
     (-1 for rows that were done))."""
     mtp = functools.partial(mtp_step, params, config=config, plan=plan, numerics=numerics)
     x, p, mlogits, hm, count, done = carry
@@ -99,12 +101,20 @@ def iteration(params, state, mstate, carry: Carry, sb: SamplingBatch, stops, max
     pos = jnp.where(live[:, None], p[:, None] + offs[None, :], -1)                     # [B, k+1]
     m_index = undo.entry_index(mstate, None, pos, mtp=True)
     m_saved = undo.save(mstate, m_index)
-    q = [distribution(mlogits[:, None], sb)[:, 0]]
-    drafts, h = [draw(q[0], sb, count, _DRAFT_TAG)], hm
+    def propose(logits, i):
+        """A draft token from the drafter's logits [B, V] (and its distribution, unless greedy)."""
+        if greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        q = distribution(logits[:, None], sb)[:, 0]
+        return draw(q, sb, count, _DRAFT_TAG + i), q
+
+    d, qi = propose(mlogits, 0)
+    drafts, q, h = [d], [qi], hm
     for i in range(1, k):
         lg, X, mstate = mtp(mstate, h[:, None], drafts[-1][:, None], pos[:, i - 1:i], all_logits=False)
-        q.append(distribution(lg[:, None], sb)[:, 0])
-        drafts.append(draw(q[-1], sb, count, _DRAFT_TAG + i))
+        d, qi = propose(lg, i)
+        drafts.append(d)
+        q.append(qi)
         h = X[:, 0]
     drafts = jnp.stack(drafts, axis=1)                                                 # [B, k]
     tokens = jnp.concatenate([x[:, None], drafts], axis=1)                             # [B, k+1]
@@ -112,7 +122,10 @@ def iteration(params, state, mstate, carry: Carry, sb: SamplingBatch, stops, max
     b_saved = undo.save(state, b_index)
     logits, state, XB = model_step(params, state, tokens, pos, config=config, plan=plan, numerics=numerics,
                                    all_logits=True, hidden=True)
-    g, a = accept(drafts, jnp.stack(q, axis=1), distribution(logits, sb), sb, count, _ACCEPT_TAG)
+    if greedy:
+        g, a = accept_greedy(drafts, logits)
+    else:
+        g, a = accept(drafts, jnp.stack(q, axis=1), distribution(logits, sb), sb, count, _ACCEPT_TAG)
     # what each row emits: up to a + 1 tokens, cut after its first stop id and at max_new_tokens
     is_stop = jnp.any(g[:, :, None] == stops[:, None, :], axis=-1) & (offs[None, :] <= a[:, None])
     first_stop = jnp.min(jnp.where(is_stop, offs[None, :], k + 1), axis=1)
@@ -133,9 +146,9 @@ def iteration(params, state, mstate, carry: Carry, sb: SamplingBatch, stops, max
     return state, mstate, carry, emitted, jnp.where(live, a, -1)
 
 
-def iterations(params, state, mstate, carry, sb, stops, max_new, *, n, k, config, plan, numerics):
+def iterations(params, state, mstate, carry, sb, stops, max_new, *, n, k, config, plan, numerics, greedy=False):
     """n iterations as one scan: (state, mstate, carry, emitted int32 [n, B, k+1], accepted int32 [n, B])."""
-    step = functools.partial(iteration, k=k, config=config, plan=plan, numerics=numerics)
+    step = functools.partial(iteration, k=k, config=config, plan=plan, numerics=numerics, greedy=greedy)
 
     def body(c, _):
         state, mstate, carry = c
@@ -156,9 +169,9 @@ def prefill_program(model: Model):
                         lambda: jax.jit(functools.partial(prefill_chunk, **kw), donate_argnums=(1, 2)))
 
 
-def iterations_program(model: Model, k: int, n: int):
-    kw = dict(config=model.config, plan=model.plan, numerics=model.numerics)
-    return PROGRAMS.get(("mtp_iterations", k, n) + _key(model),
+def iterations_program(model: Model, k: int, n: int, greedy: bool):
+    kw = dict(config=model.config, plan=model.plan, numerics=model.numerics, greedy=greedy)
+    return PROGRAMS.get(("mtp_iterations", k, n) + tuple(sorted(kw.items())),
                         lambda: jax.jit(functools.partial(iterations, n=n, k=k, **kw), donate_argnums=(1, 2, 3)))
 
 
@@ -217,7 +230,7 @@ def run(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_size: i
     lens = np.array([len(p) for p in prompts] + [0] * (Bb - B))
     max_len = state_len([len(p) for p in prompts], max_new[:B], k)
     state = model.init_state(Bb, max_len)
-    mstate = empty_mtp_state(model.config, model.plan, Bb, max_len, model.dtype, model.numerics)
+    mstate = init_mtp_state(model.config, model.plan, Bb, max_len, model.dtype, model.numerics)
     sb = batch_params(list(sampling), Bb, default_seed=default_seed)
     width = max(1, max(len(s) for s in stop_ids))
     stops = np.full((Bb, width), -1, np.int32)
@@ -250,6 +263,7 @@ def run(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_size: i
     carry = Carry(jnp.asarray(x), jnp.asarray(lens.astype(np.int32)), mlogits, hm, jnp.asarray(count),
                   jnp.asarray(done))
     stats = SpecStats(k)
+    greedy = all(s.temperature == 0 for s in sampling)
     stops, max_new_d = jnp.asarray(stops), jnp.asarray(max_new)
     while not done.all():
         # a whole block while the longest row needs that many iterations at the acceptance seen so far, then single
@@ -257,7 +271,7 @@ def run(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_size: i
         per_iter = 1 + stats.accepted / max(stats.iterations, 1)
         need = int(np.ceil(np.max(np.where(done, 0, max_new - count)) / per_iter))
         n = block_iterations if need >= block_iterations else 1
-        state, mstate, carry, emitted, a = iterations_program(model, k, n)(
+        state, mstate, carry, emitted, a = iterations_program(model, k, n, greedy)(
             model.params, state, mstate, carry, sb, stops, max_new_d)
         emitted, a = np.asarray(emitted), np.asarray(a)
         stats.add(a[:, :B])

@@ -61,6 +61,7 @@ from ..state import state_bytes
 from .compare import compare_section, hf_config, require_transformers
 from .info import kv_bytes_per_token
 from .mixed_load import format_mixed
+from .spec_bench import format_speculative
 
 __all__ = ["run_bench", "run_context_sweep", "result_head", "bench_prompts", "measure_bandwidth", "format_report", "format_compare",
            "format_context_sweep", "plot_sweep", "SCHEMA", "PREFILL_CHUNK"]
@@ -294,6 +295,8 @@ def format_report(result: dict) -> str:
         return "\n".join(lines + [format_context_sweep(result["context_sweep"])])
     if "mixed" in result:
         return "\n".join(lines + [format_mixed(result["mixed"])])
+    if "speculative" in result:
+        return "\n".join(lines + [format_speculative(result["speculative"])])
     lines += [f"{'B':>4} {'in':>6} {'out':>5} {'compile s':>10} {'TTFT ms':>9} {'prefill tok/s':>14} {'ITL p50 ms':>11} "
              f"{'ITL p99 ms':>11} {'tok/s/seq':>10} {'tok/s':>9} {'GB/s':>7} {'roofline':>9} {'peak RSS MiB':>13}"]
     for r in result["runs"]:

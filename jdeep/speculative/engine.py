@@ -1,0 +1,209 @@
+"""The Engine with MTP speculative decoding: each iteration every decoding request drafts k tokens, the backbone
+verifies them in one step and the request takes up to k + 1 tokens (mtp_decode.iteration, per window of slots);
+prefill chunks also run the MTP block, so a request's first iteration drafts from its prompt.
+
+Besides the Engine's backbone state the pool holds the MTP blocks' window state and, per slot, the drafter's logits
+for the next token and its output streams (mtp_decode.Carry's mlogits and hm). The host keeps each request's last
+token, position and count (the Engine's own bookkeeping), checks stop ids, max_new_tokens and stop strings, and
+ends a request at the first of them (accepted tokens past it are dropped; its slot is freed). Scheduling, windows,
+compaction and warm-up are the Engine's: a decoding request counts k + 1 positions against the token budget.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..model.cache import PROGRAMS
+from ..model.model import Model
+from ..model.mtp import init_mtp_state
+from ..runtime.engine import Engine, RequestOutput
+from ..runtime.sampling import INT32_MAX, SamplingParams
+from ..runtime.scheduler import Iteration
+from ..runtime.steps import length_bucket, pack_chunk
+from ..state import move_slot, put_slot_window, slot_window
+from .config import parse_speculative
+from .mtp_decode import Carry, SpecStats, check_mtp_model, iteration, prefill_chunk
+
+__all__ = ["SpeculativeEngine", "make_engine"]
+
+
+def _rows_of(a: jax.Array, rows: int, start) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(a, start, rows, axis=0)
+
+
+def _put_rows(a: jax.Array, b: jax.Array, start) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(a, b, start, axis=0)
+
+
+def _decode_window(params, state, mstate, mlogits, hm, x, p, count, live, sb, start, *, rows, k, greedy, config,
+                   plan, numerics):
+    """One speculative iteration over slots [start, start + rows): x, p, count int32 [rows], live bool [rows], sb the
+    window's sampling rows (greedy: all of them greedy, mtp_decode.iteration's variant). Returns (state, mstate, mlogits, hm, emitted int32 [rows, k+1], accepted int32 [rows])."""
+    start = jnp.clip(start, 0, mlogits.shape[0] - rows)
+    carry = Carry(x, p, _rows_of(mlogits, rows, start), _rows_of(hm, rows, start), count, ~live)
+    stops = jnp.full((rows, 1), -1, jnp.int32)                  # the host checks stops and lengths
+    max_new = jnp.full((rows,), INT32_MAX, jnp.int32)
+    sw, mw, carry, emitted, a = iteration(params, slot_window(state, rows, start), slot_window(mstate, rows, start),
+                                          carry, sb, stops, max_new, k=k, config=config, plan=plan, numerics=numerics,
+                                          greedy=greedy)
+    return (put_slot_window(state, sw, start), put_slot_window(mstate, mw, start),
+            _put_rows(mlogits, carry.mlogits, start), _put_rows(hm, carry.hm, start), emitted, a)
+
+
+def _prefill_window(params, state, mstate, mlogits, hm, tokens, positions, next_tokens, ends, sb, start, *, rows,
+                    config, plan, numerics):
+    """A prefill chunk (backbone and MTP block) over slots [start, start + rows); ends bool [rows]: the rows whose
+    prompt ends in this chunk (their drafter carry is set). Returns (state, mstate, mlogits, hm, first token int32
+    [rows])."""
+    start = jnp.clip(start, 0, mlogits.shape[0] - rows)
+    first, ml, h, sw, mw = prefill_chunk(params, slot_window(state, rows, start), slot_window(mstate, rows, start),
+                                         tokens, positions, next_tokens, sb, config=config, plan=plan,
+                                         numerics=numerics)
+    ml = jnp.where(ends[:, None], ml, _rows_of(mlogits, rows, start))
+    h = jnp.where(ends[:, None, None], h, _rows_of(hm, rows, start))
+    return (put_slot_window(state, sw, start), put_slot_window(mstate, mw, start), _put_rows(mlogits, ml, start),
+            _put_rows(hm, h, start), first)
+
+
+def _move_rows(tree, src, dst):
+    return jax.tree_util.tree_map(
+        lambda a: jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, src, 1, axis=0), dst, axis=0),
+        tree)
+
+
+def _move_all(state, mstate, carry, src, dst):
+    return move_slot(state, src, dst), move_slot(mstate, src, dst), _move_rows(carry, src, dst)
+
+
+def _reset_mtp(mstate, mask):
+    return jax.tree_util.tree_map(
+        lambda a: jnp.where(mask.reshape((1, -1) + (1,) * (a.ndim - 2)), jnp.zeros((), a.dtype), a), mstate)
+
+
+class SpeculativeEngine(Engine):
+    """Engine(model, ...) with speculative={"method": "mtp", "num_speculative_tokens": k} (model loaded with
+    mtp=True). `spec_stats` counts drafted and accepted tokens (SpecStats)."""
+
+    def __init__(self, model: Model, speculative: dict, **kw):
+        method, self.k = parse_speculative(speculative)
+        check_mtp_model(model)
+        super().__init__(model, decode_width=self.k + 1, **kw)
+        self.spec_stats = SpecStats(self.k)
+        self._alloc_mtp()
+
+    def _cache_len(self) -> int:
+        # a request near max_len still verifies k + 1 positions
+        return length_bucket(self.max_len + self.k + 1, 256)
+
+    def _alloc_mtp(self) -> None:
+        m = self.model
+        self.mstate = init_mtp_state(m.config, m.plan, self.n_slots, self._cache_len(), m.dtype, m.numerics)
+        n, d = m.config.hc_mult, m.config.dim
+        self.mlogits, self.hm = jax.device_put((np.zeros((self.n_slots, m.config.vocab_size), np.float32),
+                                                np.zeros((self.n_slots, n, d), m.dtype)), jax.devices()[0])
+
+    def reset(self) -> None:
+        super().reset()
+        self._alloc_mtp()
+
+    def _reset_slots(self, mask: np.ndarray) -> None:
+        super()._reset_slots(mask)
+        self.mstate = PROGRAMS.jit(_reset_mtp, donate_argnums=(0,))(self.mstate, self.model.put(mask))
+
+    def _move_slot(self, src, dst) -> None:
+        self.state, self.mstate, (self.mlogits, self.hm) = PROGRAMS.jit(_move_all, donate_argnums=(0, 1, 2))(
+            self.state, self.mstate, (self.mlogits, self.hm), src, dst)
+
+    def _program(self, fn, rows: int, **extra):
+        m = self.model
+        kw = dict(rows=rows, config=m.config, plan=m.plan, numerics=m.numerics, **extra)
+        key = (fn.__name__, rows, tuple(sorted(extra.items())), m.config, m.plan, m.numerics)
+        return PROGRAMS.get(key, lambda: jax.jit(functools.partial(fn, **kw), donate_argnums=(1, 2, 3, 4)))
+
+    def _decode(self, it: Iteration) -> list[RequestOutput]:
+        if not it.decode:
+            return []
+        w = it.decode_window
+        x = np.zeros(w.rows, np.int32)
+        p = np.zeros(w.rows, np.int32)
+        count = np.zeros(w.rows, np.int32)
+        live = np.zeros(w.rows, bool)
+        for i in it.decode:
+            s, r = self.slots[i], i - w.start
+            x[r], count[r], live[r] = self._last[i], len(s.out.tokens), True
+            p[r] = len(s.out.prompt) + len(s.out.tokens) - 1
+        self.steps_per_bucket[w.rows] = self.steps_per_bucket.get(w.rows, 0) + 1
+        put, sb = self.model.put, self._window_rows(w)
+        greedy = bool(np.all(sb.temperature[live] <= 0))
+        program = self._program(_decode_window, w.rows, k=self.k, greedy=greedy)
+        self.state, self.mstate, self.mlogits, self.hm, emitted, a = program(
+            self.model.params, self.state, self.mstate, self.mlogits, self.hm, put(x), put(p), put(count), put(live),
+            sb, put(np.int32(w.start)))
+        emitted, a = self.model.fetch(emitted), self.model.fetch(a)
+        self.spec_stats.add(a[live])
+        return self._deliver({i: [int(t) for t in emitted[i - w.start] if t >= 0] for i in it.decode})
+
+    def _prefill(self, it: Iteration) -> list[RequestOutput]:
+        if not it.prefill:
+            return []
+        w = it.prefill_window
+        slots = [self.slots[i] if i in it.prefill else None for i in range(w.start, w.start + w.rows)]
+        prompts = [s.request.ids if s is not None else None for s in slots]
+        done = [s.prefilled if s is not None else 0 for s in slots]
+        toks, pos, taken = pack_chunk(prompts, done, w.rows, it.chunk)
+        nxt = np.full_like(toks, -1)
+        ends = np.zeros(w.rows, bool)
+        for r, s in enumerate(slots):
+            if s is None:
+                continue
+            ids, n = s.request.ids, int(taken[r])
+            nxt[r, :n] = np.concatenate([ids[done[r] + 1:done[r] + n + 1], [-1]])[:n]
+            s.prefilled += n
+            ends[r] = s.prefilled == len(ids)
+        self.steps_per_bucket[w.rows] = self.steps_per_bucket.get(w.rows, 0) + 1
+        put = self.model.put
+        self.state, self.mstate, self.mlogits, self.hm, first = self._program(_prefill_window, w.rows)(
+            self.model.params, self.state, self.mstate, self.mlogits, self.hm, put(toks), put(pos), put(nxt),
+            put(ends), self._window_rows(w), put(np.int32(w.start)))
+        first = self.model.fetch(first)
+        return self._deliver({w.start + r: [int(first[r])] for r in np.flatnonzero(ends)})
+
+    def warmup(self) -> int:
+        """Compile the speculative decode programs of every window size (greedy and sampled), the prefill program of
+        every (window size, chunk) and the slot move, on rows at position -1 (nothing in the state changes). Returns
+        the number of programs run."""
+        counts = dict(self.steps_per_bucket)
+        self._reset_slots(np.zeros(self.n_slots, bool))
+        put, n_run = self.model.put, 0
+        for n in self.scheduler.decode_programs():
+            z = np.zeros(n, np.int32)
+            sb = self._host_batch([SamplingParams()] * n)
+            for greedy in (True, False):
+                program = self._program(_decode_window, n, k=self.k, greedy=greedy)
+                self.state, self.mstate, self.mlogits, self.hm, _, _ = program(
+                    self.model.params, self.state, self.mstate, self.mlogits, self.hm, put(z), put(z), put(z),
+                    put(np.zeros(n, bool)), sb, put(np.int32(0)))
+                n_run += 1
+        for n, S in self.scheduler.prefill_programs():
+            sb = self._host_batch([SamplingParams()] * n)
+            neg = np.full((n, S), -1, np.int32)
+            self.state, self.mstate, self.mlogits, self.hm, _ = self._program(_prefill_window, n)(
+                self.model.params, self.state, self.mstate, self.mlogits, self.hm, put(np.zeros((n, S), np.int32)),
+                put(neg), put(neg), put(np.zeros(n, bool)), sb, put(np.int32(0)))
+            n_run += 1
+        if self.scheduler.window_mode != "pool" and self.n_slots > 1:
+            zero = put(np.int32(0))
+            self._move_slot(zero, zero)
+            n_run += 1
+        jax.block_until_ready(self.state)
+        self.steps_per_bucket = counts
+        return n_run
+
+
+def make_engine(model: Model, speculative: dict | None = None, **kw) -> Engine:
+    """An Engine, or a SpeculativeEngine when `speculative` is given (vLLM's spelling)."""
+    return Engine(model, **kw) if speculative is None else SpeculativeEngine(model, speculative, **kw)

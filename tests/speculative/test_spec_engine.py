@@ -1,0 +1,88 @@
+"""Speculative decoding in the engine and the server (MTP, k = 2, the trained demo model in float numerics): requests
+joining and leaving a 4-slot pool get the tokens the plain engine gives them (greedy; stop ids and max_new_tokens cut
+accepted drafts short), sampled requests run beside them, warm-up compiles every program serving reaches, and the
+OpenAI server built with --speculative-config answers as jdeep.generate does."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import numpy as np
+import openai
+import pytest
+
+import jdeep
+from jdeep import SamplingParams
+from jdeep.cli import build_parser
+from jdeep.runtime.engine import Engine
+from jdeep.serve.server import ServerSettings, background_server
+from jdeep.speculative.engine import SpeculativeEngine, make_engine
+
+DEMO = pathlib.Path(jdeep.__file__).parent / "demo_model"
+SPEC = {"method": "mtp", "num_speculative_tokens": 2}
+ENGINE = dict(max_num_seqs=4, max_len=96, prefill_chunk=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jdeep.load(DEMO, mtp=True, quantize_activations=False)
+
+
+def _requests(model):
+    text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 3
+    ids = model.tokenizer.encode(text)
+    lengths, max_new = (7, 30, 3, 18, 40, 5), (20, 9, 24, 13, 6, 30)
+    return [(ids[i:i + n], SamplingParams(max_new_tokens=m)) for i, (n, m) in enumerate(zip(lengths, max_new))]
+
+
+def _serve(engine, requests, join_after: int = 3):
+    """The first three requests, `join_after` steps, then the rest; tokens in request order."""
+    rids = [engine.add_request(p, s) for p, s in requests[:3]]
+    for _ in range(join_after):
+        engine.step()
+    rids += [engine.add_request(p, s) for p, s in requests[3:]]
+    outs = engine.run()
+    return [outs[r] for r in rids]
+
+
+def test_speculative_engine_gives_the_plain_engines_tokens(model):
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    requests = _requests(model)
+    plain = _serve(Engine(model, **ENGINE), requests)
+    # a stop id inside what the drafts would accept: the request ends there, as plainly
+    stop = plain[0].tokens[5]
+    requests[0] = (requests[0][0], SamplingParams(max_new_tokens=20, stop_token_ids=(stop,)))
+    plain[0].tokens = plain[0].tokens[:plain[0].tokens.index(stop) + 1]
+    sampled = (requests[1][0], SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3))
+
+    eng = SpeculativeEngine(model, SPEC, **ENGINE)
+    state = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(eng.state)]
+    assert eng.warmup() == 3 * 3 + 1        # windows 1, 2, 4 x (decode greedy and sampled, prefill 16), the slot move
+    for before, after in zip(state, jax.tree_util.tree_leaves(eng.state)):
+        np.testing.assert_array_equal(before, np.asarray(after))
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == BACKEND_COMPILE_EVENT else None)
+    spec = _serve(eng, requests + [sampled])
+    assert compiles == []
+    assert [o.tokens for o in spec[:len(plain)]] == [o.tokens for o in plain]
+    assert [o.finish_reason for o in spec[:len(plain)]] == ["stop"] + ["length"] * (len(plain) - 1)
+    assert len(spec[-1].tokens) == 12 and spec[-1].finish_reason == "length"
+    s = eng.spec_stats.as_dict()
+    assert s["accepted"] > 0 and s["iterations"] > 0 and len(s["acceptance_per_position"]) == 2
+
+
+def test_server_with_speculative_config(model):
+    args = build_parser().parse_args(["serve", "--model", str(DEMO), "--speculative-config", '{"method": "mtp"}'])
+    assert args.speculative_config == {"method": "mtp"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", str(DEMO), "--speculative-config", '{"method": "eagle"}'])
+    engine = make_engine(model, SPEC, **ENGINE)
+    prompt = _requests(model)[1][0]
+    want = jdeep.generate(model, [prompt], max_new_tokens=10, ignore_eos=True).tokens[0].tolist()
+    with background_server(engine, ServerSettings("demo")) as (url, _):
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+        r = client.completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0)
+    assert r.choices[0].text == model.tokenizer.decode(want)
