@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Packed", "pack_slot", "pack_params", "is_packed", "split_experts", "EXPERT_KEYS"]
+__all__ = ["Packed", "pack_slot", "pack_params", "is_packed", "split_experts", "unpacked", "EXPERT_KEYS"]
 
 EXPERT_KEYS = ("w1", "w2", "w3")
 
@@ -58,6 +58,11 @@ class Packed:
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
+def unpacked(p: Any) -> Any:
+    """One layer's tensors: a Packed arena unpacked, anything else as it is."""
+    return p.unpack() if isinstance(p, Packed) else p
+
+
 def pack_slot(tree: Any) -> Packed:
     """Pack a tree of stacked leaves [R, ...] (arrays or jax.ShapeDtypeStruct) into arenas [R, N]."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -82,12 +87,13 @@ def is_packed(params: dict) -> bool:
 
 
 def pack_params(params: dict) -> dict:
-    """The param tree with each (segment, slot) as {"arena": Packed(non-expert params), "experts": {w1, w2, w3}}."""
-    segments = []
-    for seg in params["segments"]:
-        slots = []
-        for slot in seg:
-            rest, experts = split_experts(slot)
-            slots.append({"arena": pack_slot(rest), "experts": experts})
-        segments.append(slots)
-    return {**params, "segments": segments}
+    """The param tree with each (segment, slot) — and DeepSeek-V4's MTP blocks, when loaded — as {"arena":
+    Packed(non-expert params), "experts": {w1, w2, w3}}."""
+    def packed(slot: dict) -> dict:
+        rest, experts = split_experts(slot)
+        return {"arena": pack_slot(rest), "experts": experts}
+
+    out = {**params, "segments": [[packed(slot) for slot in seg] for seg in params["segments"]]}
+    if "ffn" in params.get("mtp", {}):
+        out["mtp"] = packed(params["mtp"])
+    return out

@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     cg.add_argument("--max-prefill-tokens", type=int, default=SERVING_PREFILL_TOKENS,
                     help="the token budget of one prefill step (batch x chunk); larger prefill programs are not "
                          f"checked (default {SERVING_PREFILL_TOKENS})")
+    cg.add_argument("--speculative-tokens", type=int, metavar="K",
+                    help="also the MTP speculative-decoding programs for K drafts (scan mode, DeepSeek-V4 models): "
+                         "per batch bucket the prefill chunks with the MTP block and the iteration (greedy, sampled)")
     cg.add_argument("--verbose", "-v", action="store_true", help="print every program's report")
     cg.set_defaults(fn=cmd_check_graph)
 

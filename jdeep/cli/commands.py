@@ -37,6 +37,7 @@ from ..tools.mtp_eval import format_mtp_table, mtp_accuracy
 from ..tools.programs import Target, chunk_buckets, model_programs
 from ..tools.random_weights import random_checkpoint
 from ..tools.spec_bench import run_speculative
+from ..tools.spec_programs import speculative_programs
 from .args import batch_sizes, folder_tokenizer, load_kwargs, np_dtype, parse_ints, sampling_params
 
 
@@ -413,6 +414,9 @@ def cmd_check_graph(args: argparse.Namespace) -> int:
     failed = 0
     programs = model_programs(target, batch_sizes(args.batch_sizes), chunk_buckets(args.prefill_len), args.max_len,
                               max_prefill_tokens=args.max_prefill_tokens)
+    if args.speculative_tokens is not None:
+        programs += speculative_programs(target, batch_sizes(args.batch_sizes), args.speculative_tokens,
+                                         chunk_buckets(args.prefill_len), args.max_len)
     for prog in programs:
         report = check_lowered(prog.lower(), name=prog.name, n_experts=target.config.n_routed_experts,
                                decode=prog.bucket["step"] == "decode", limits=limits)

@@ -9,6 +9,7 @@ layers, `R = (N - 1) * n_heads` row ids per token and layer, ordered order-major
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -269,16 +270,9 @@ class NgramHistory:
             raise ValueError(f"token ids must lie in [0, {n_vocab}), got range [{tokens.min()}, {tokens.max()}]")
         return self.token_map[tokens]
 
-    def ids_for_chunk(self, tokens: np.ndarray, n_valid: np.ndarray | Sequence[int] | None = None,
-                      dead: np.ndarray | None = None) -> np.ndarray:
-        """Row ids for a chunk of new tokens and advance each row's history by its real tokens.
-
-        tokens int [B, S]: row b has n_valid[b] (int [B], default S) real tokens at the front, the
-        rest padding (any in-range ids; their row ids are computed but meaningless).
-        dead bool [B, S] (optional): tokens inside an image span.
-        Returns int64 [B, S, n_eng, R]."""
-        h, batch = self.layout.history, self.batch
-        cls = self._token_classes(tokens)
+    def _chunk(self, tokens, n_valid, dead) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A chunk's (classes int64 [B, S], n_valid int64 [B] (default S), dead bool [B, S]), validated."""
+        batch, cls = self.batch, self._token_classes(tokens)
         if cls.ndim != 2 or cls.shape[0] != batch:
             raise ValueError(f"tokens must be [{batch}, S], got shape {cls.shape}")
         length = cls.shape[1]
@@ -288,17 +282,40 @@ class NgramHistory:
         dead = np.zeros(cls.shape, bool) if dead is None else np.asarray(dead, bool)
         if dead.shape != cls.shape:
             raise ValueError(f"dead must have the tokens' shape {cls.shape}, got {dead.shape}")
+        return cls, n_valid, dead
 
+    def ids_for_chunk(self, tokens: np.ndarray, n_valid: np.ndarray | Sequence[int] | None = None,
+                      dead: np.ndarray | None = None) -> np.ndarray:
+        """Row ids for a chunk of new tokens and advance each row's history by its real tokens.
+
+        tokens int [B, S]: row b has n_valid[b] (int [B], default S) real tokens at the front, the
+        rest padding (any in-range ids; their row ids are computed but meaningless).
+        dead bool [B, S] (optional): tokens inside an image span.
+        Returns int64 [B, S, n_eng, R]."""
+        cls, n_valid, dead = self._chunk(tokens, n_valid, dead)
+        h, length = self.layout.history, cls.shape[1]
         full = np.concatenate([self.classes, cls], axis=1)              # [B, H + S]
         full_dead = np.concatenate([self.dead, dead], axis=1)
         win = _windows(full, h, length)                                  # [B, S, N]
         blocked = np.logical_or.accumulate(_windows(full_dead, h, length), axis=-1)
         ids = _hash_windows(self.layout, np.where(blocked, self.layout.pad_class, win))
-
-        keep = n_valid[:, None] + np.arange(h)                           # the last H real entries
-        self.classes = np.take_along_axis(full, keep, axis=1)
-        self.dead = np.take_along_axis(full_dead, keep, axis=1)
+        self._keep_last(full, full_dead, n_valid)
         return ids
+
+    def advance(self, tokens: np.ndarray, n_valid: np.ndarray | Sequence[int], dead: np.ndarray | None = None) -> None:
+        """Advance each row's history as ids_for_chunk does, without row ids (the tokens a speculative step kept)."""
+        cls, n_valid, dead = self._chunk(tokens, n_valid, dead)
+        self._keep_last(np.concatenate([self.classes, cls], 1), np.concatenate([self.dead, dead], 1), n_valid)
+
+    def _keep_last(self, full: np.ndarray, full_dead: np.ndarray, n_valid: np.ndarray) -> None:
+        keep = n_valid[:, None] + np.arange(self.layout.history)         # the last H real entries
+        self.classes, self.dead = np.take_along_axis(full, keep, axis=1), np.take_along_axis(full_dead, keep, axis=1)
+
+    def copy(self) -> "NgramHistory":
+        """An independent copy (speculative decoding reads draft tokens' rows from one, rejected drafts leave none)."""
+        out = copy.copy(self)
+        out.classes, out.dead = self.classes.copy(), self.dead.copy()
+        return out
 
 
 # ---------------------------------------------------------------------------- tables

@@ -13,7 +13,11 @@ from ..kernels.linear import linear_f32
 from ..kernels.reference import stacked_experts
 from ..numerics import Numerics
 
-__all__ = ["route", "moe", "moe_expert_parallel"]
+__all__ = ["route", "moe", "moe_expert_parallel", "DECODE_MAX_S"]
+
+# Steps shorter than this are decode-class (one token per sequence, or a speculative verify of k + 1 <= 9 tokens):
+# their MoE must not sort (neuron-notes S6). Prefill chunks are at least 16 tokens (runtime.steps.MIN_BUCKET).
+DECODE_MAX_S = 16
 
 
 def route(x: jax.Array, tokens: jax.Array, p: dict, *, config: ModelConfig, hash_moe: bool) -> tuple[jax.Array, jax.Array]:
@@ -49,7 +53,8 @@ def moe(p: dict, experts: dict, layer: jax.Array, x: jax.Array, tokens: jax.Arra
     p: this layer's gate ("gate" weight [E, d], "bias" [E] or "tid2eid" [V, k]) and shared expert;
     experts: w1, w2, w3 of all layers of this kind ([R, E, ...]), indexed by `layer`.
     layout (sharding.Layout): under expert parallelism the MoE runs in `shard_map` (`moe_expert_parallel`).
-    A step with S == 1 (decode) runs a sort-free routed-expert op (`_routed_op`).
+    A decode step (S < DECODE_MAX_S: one token per sequence, or a speculative verify of k + 1) runs a sort-free
+    routed-expert op (`_routed_op`).
     """
     if layout is not None and layout.expert_parallel:
         return moe_expert_parallel(p, experts, layer, x, tokens, config=config, numerics=numerics,
@@ -57,7 +62,7 @@ def moe(p: dict, experts: dict, layer: jax.Array, x: jax.Array, tokens: jax.Arra
     B, S, d = x.shape
     xt = x.reshape(B * S, d)
     idx, w = route(xt, tokens.reshape(-1), p["gate"], config=config, hash_moe=hash_moe)
-    op = kernels.get(_routed_op(config, B * S, decode=S == 1))
+    op = kernels.get(_routed_op(config, B * S, decode=S < DECODE_MAX_S))
     routed = op(xt, idx, w, experts["w1"], experts["w2"], experts["w3"], layer, config.swiglu_limit, numerics)
     sh = p["shared_experts"]
     shared = kernels.get("shared_expert")(xt, sh["w1"], sh["w2"], sh["w3"], config.swiglu_limit, numerics)
@@ -68,8 +73,8 @@ def _routed_op(config: ModelConfig, n_tokens: int, decode: bool = False) -> str:
     """The routed-expert op for n_tokens tokens: per-pair slices while the (token, expert) pairs are fewer than
     the experts (T*k < E; at T*k == E the pair loop's trip would be the expert count, S5), else the tiled grouped
     matmul; in a decode program its sort-free twin (neuron-notes S6: no sort in decode), whose result is the
-    same. `decode`: the step feeds one token per sequence (the caller's S == 1: what the decode programs are,
-    `tools.programs`); prefill chunks (S > 1) may sort."""
+    same. `decode`: a decode-class step (the caller's S < DECODE_MAX_S: one token per sequence, as the decode
+    programs of `tools.programs`, or a speculative verify step of k + 1 tokens); prefill chunks (S >= 16) may sort."""
     if n_tokens * config.n_activated_experts < config.n_routed_experts:
         return "moe_experts_gather"
     return "moe_experts_grouped_nosort" if decode else "moe_experts_grouped"
@@ -117,7 +122,7 @@ def moe_expert_parallel(p: dict, experts: dict, layer: jax.Array, x: jax.Array, 
     exp_specs = jax.tree_util.tree_map_with_path(
         lambda kp, a: layout.expert_spec(tuple(k.key for k in kp), a.shape), experts)
     n_local = stacked_experts(experts["w1"]) // ep
-    op = kernels.get(_local_routed_op(config, T, n_local, decode=S == 1))
+    op = kernels.get(_local_routed_op(config, T, n_local, decode=S < DECODE_MAX_S))
     shared_op = kernels.get("shared_expert")
 
     def local(x, tokens, gate, shared, experts, layer):

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..arenas import split_experts
+from ..arenas import unpacked
 from ..config import ModelConfig
 from ..layers.block import Streams, block
 from ..layers.chunk import make_chunk
@@ -29,6 +29,7 @@ from ..layers.rope import inv_freq
 from ..numerics import Numerics
 from ..plan import LayerPlan
 from ..state import empty_slot_state
+from .scan import slot_params
 
 __all__ = ["mtp_step", "mtp_inputs", "empty_mtp_state", "init_mtp_state"]
 
@@ -73,8 +74,8 @@ def mtp_step(params: dict, state: dict, hidden: jax.Array, next_tokens: jax.Arra
         raise ValueError("the MTP blocks need the token embedding on the device (load without host_embedding)")
     eps = config.norm_eps
     chunk = make_chunk(next_tokens, positions, config.vocab_size)
-    per_layer, experts = split_experts(params["mtp"])
-    p = jax.tree_util.tree_map(lambda a: a[depth], per_layer)
+    per_layer, experts = slot_params(params["mtp"])
+    p = unpacked(jax.tree_util.tree_map(lambda a: a[depth], per_layer))
     e = rms_norm(params["embed"][chunk.tokens], p["enorm"], eps)
     x = dense(e, p["e_proj"], numerics)[:, :, None, :] + dense(rms_norm(hidden, p["hnorm"], eps), p["h_proj"], numerics)
     kind = plan.mtp.pattern[0]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..arenas import Packed, split_experts
+from ..arenas import split_experts, unpacked
 from ..config import ModelConfig
 from ..layers.block import Streams, block
 from ..layers.chunk import make_chunk
@@ -33,10 +33,6 @@ def slot_params(slot: dict) -> tuple[Any, dict]:
     if "arena" in slot:
         return slot["arena"], slot["experts"]
     return split_experts(slot)
-
-
-def _unpacked(p: Any) -> dict:
-    return p.unpack() if isinstance(p, Packed) else p
 
 
 def segment_inputs(seg: Segment, config: ModelConfig, engram: tuple | None, tap_layers: tuple[int, ...] = ()
@@ -88,7 +84,7 @@ def _run_segment(seg: Segment, seg_params: list, seg_state: list, sources: dict,
             # a tap reads the streams entering the layer after its Engram update, which block records first
             seen = outs if outs is not None else ([] if taps is not None and kind.engram else None)
             first_seen, entering = len(seen or ()), streams.X
-            streams, st[j], sources = block(_unpacked(p_slots[j]), experts[j], st[j], sources, r, a.get("row"),
+            streams, st[j], sources = block(unpacked(p_slots[j]), experts[j], st[j], sources, r, a.get("row"),
                                             streams, a.get("engram"), chunk, config=config, numerics=numerics,
                                             kind=kind, freqs=freqs[j], record=seen, layout=layout, losses=losses)
             if taps is not None:

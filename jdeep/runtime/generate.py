@@ -14,6 +14,7 @@ import numpy as np
 
 from ..model.model import Model
 from ..speculative.config import parse_speculative
+from ..speculative.dspark_decode import dspark_generate
 from ..speculative.mtp_decode import mtp_generate
 from .requests import check_request, prompt_ids
 from .sampling import SamplingParams, batch_params
@@ -196,9 +197,10 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
 
 def _speculative(model: Model, requests: list, speculative: dict, prefill_chunk: int, tokenizer, return_logits: bool,
                  stream, stream_every: int, seed: int) -> GenerateOutput:
-    """generate() with speculative decoding (MTP): greedy requests get plain decoding's tokens, sampled ones tokens
-    with the same distribution; stop strings and streaming as plain decoding has them."""
-    _, k = parse_speculative(speculative)
+    """generate() with speculative decoding (MTP on DeepSeek-V4, DSpark on DeepSeek-V4.1): greedy requests get plain
+    decoding's tokens, sampled ones tokens with the same distribution; stop strings and streaming as plain decoding
+    has them."""
+    method, k = parse_speculative(speculative)
     if return_logits:
         raise ValueError("speculative decoding does not return logits (return_logits=False)")
     B = len(requests)
@@ -220,9 +222,10 @@ def _speculative(model: Model, requests: list, speculative: dict, prefill_chunk:
         return ended
 
     sent = np.zeros(B, int)
-    out, _ = mtp_generate(model, [r.ids for r in requests], [r.params for r in requests],
-                          [tuple(r.stop_ids) for r in requests], k, prefill_chunk, default_seed=seed,
-                          on_block=on_block, block_iterations=max(1, stream_every))
+    spec_generate = {"mtp": mtp_generate, "dspark": dspark_generate}[method]
+    out, _ = spec_generate(model, [r.ids for r in requests], [r.params for r in requests],
+                           [tuple(r.stop_ids) for r in requests], k, prefill_chunk, default_seed=seed,
+                           on_block=on_block, block_iterations=max(1, stream_every))
     for b in range(B):                       # tokens after the one completing a stop string are dropped
         out[b, kept[b]:] = -1
     lengths = np.sum(out >= 0, axis=1)

@@ -22,9 +22,15 @@ import jax.numpy as jnp
 
 from ..runtime.sampling import SamplingBatch, filtered_logits
 
-__all__ = ["distribution", "draw", "accept", "accept_greedy", "uniform"]
+__all__ = ["distribution", "draw", "accept", "accept_greedy", "uniform", "argmax_ids"]
 
 _Q_FLOOR = 1e-8
+
+
+def argmax_ids(x: jax.Array) -> jax.Array:
+    """The argmax over the last axis as int32, lowest index on ties (lax.top_k, as plain greedy decoding picks;
+    Neuron's compiler takes no variadic argmax reduction)."""
+    return jax.lax.top_k(x, 1)[1][..., 0].astype(jnp.int32)
 
 
 def _rows(sb: SamplingBatch, k: int) -> SamplingBatch:
@@ -38,7 +44,7 @@ def distribution(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     B, K, V = logits.shape
     flat = logits.reshape(B * K, V).astype(jnp.float32)
     probs = jax.nn.softmax(filtered_logits(flat, _rows(sb, K)), axis=-1)
-    greedy = jax.nn.one_hot(jnp.argmax(flat, axis=-1), V, dtype=jnp.float32)
+    greedy = jax.nn.one_hot(argmax_ids(flat), V, dtype=jnp.float32)
     greedy_row = jnp.repeat(sb.temperature <= 0, K)[:, None]
     return jnp.where(greedy_row, greedy, probs).reshape(B, K, V)
 
@@ -61,7 +67,7 @@ def draw(probs: jax.Array, sb: SamplingBatch, count: jax.Array, tag: int) -> jax
     """One token per row from probs fp32 [B, V] (Gumbel-max over log p; a one-hot row gives its token): int32 [B]."""
     g = jax.vmap(lambda key: jax.random.gumbel(key, probs.shape[-1:], jnp.float32))(_key(sb, count, tag))
     logp = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
-    return jnp.argmax(logp + g, axis=-1).astype(jnp.int32)
+    return argmax_ids(logp + g)
 
 
 def accept(drafts: jax.Array, q: jax.Array, p: jax.Array, sb: SamplingBatch, count: jax.Array,
@@ -77,7 +83,7 @@ def accept(drafts: jax.Array, q: jax.Array, p: jax.Array, sb: SamplingBatch, cou
     ok = uniform(sb, count, tag, k) < jnp.minimum(1.0, p_d / q_d)
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     # the distribution of the token after the accepted prefix: residual at a rejection, p itself for the bonus
-    at = accepted[:, None, None]
+    at = jnp.clip(accepted, 0, k)[:, None, None]
     p_a = jnp.take_along_axis(p, at, axis=1)[:, 0]
     q_a = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), at, axis=1)[:, 0]   # 0 past the drafts
     residual = jnp.maximum(p_a - q_a, 0.0)
@@ -92,6 +98,6 @@ def accept(drafts: jax.Array, q: jax.Array, p: jax.Array, sb: SamplingBatch, cou
 def accept_greedy(drafts: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`accept` for a batch of greedy rows, from the target's logits fp32 [B, k+1, V] alone (no distributions): the
     longest prefix of drafts equal to the target's argmax, then its argmax. Same outputs as `accept`."""
-    g = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)                            # [B, k+1]
+    g = argmax_ids(target_logits)                                                       # [B, k+1]
     accepted = jnp.sum(jnp.cumprod((drafts == g[:, :-1]).astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     return g, accepted

@@ -1,4 +1,7 @@
-"""The `speculative` argument (vLLM's spelling: {"method": "mtp", "num_speculative_tokens": k}), validated."""
+"""The `speculative` argument (vLLM's spelling: {"method": "mtp", "num_speculative_tokens": k}), validated.
+
+Methods: "mtp" (alias "deepseek_mtp": DeepSeek-V4's MTP block, mtp_decode.py) and "dspark" (DeepSeek-V4.1's DSpark
+drafter, dspark_decode.py; k is checked against the checkpoint's dspark_block_size where the model is known)."""
 
 from __future__ import annotations
 
@@ -21,9 +24,6 @@ def parse_speculative(spec: Any) -> tuple[str, int]:
     method = _METHODS.get(spec.get("method"))
     if method is None:
         raise ValueError(f"speculative method must be one of {', '.join(sorted(_METHODS))}, got {spec.get('method')!r}")
-    if method == "dspark":
-        raise ValueError("speculative method 'dspark' (DeepSeek-V4.1's drafter) is not built yet; use 'mtp' on "
-                         "DeepSeek-V4 checkpoints")
     k = spec.get("num_speculative_tokens", 1)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")

@@ -55,14 +55,14 @@ def _decode_window(params, state, mstate, mlogits, hm, x, p, count, live, sb, st
 
 
 def _prefill_window(params, state, mstate, mlogits, hm, tokens, positions, next_tokens, ends, sb, start, *, rows,
-                    config, plan, numerics):
+                    greedy, config, plan, numerics):
     """A prefill chunk (backbone and MTP block) over slots [start, start + rows); ends bool [rows]: the rows whose
     prompt ends in this chunk (their drafter carry is set). Returns (state, mstate, mlogits, hm, first token int32
     [rows])."""
     start = jnp.clip(start, 0, mlogits.shape[0] - rows)
     first, ml, h, sw, mw = prefill_chunk(params, slot_window(state, rows, start), slot_window(mstate, rows, start),
                                          tokens, positions, next_tokens, sb, config=config, plan=plan,
-                                         numerics=numerics)
+                                         numerics=numerics, greedy=greedy)
     ml = jnp.where(ends[:, None], ml, _rows_of(mlogits, rows, start))
     h = jnp.where(ends[:, None, None], h, _rows_of(hm, rows, start))
     return (put_slot_window(state, sw, start), put_slot_window(mstate, mw, start), _put_rows(mlogits, ml, start),
@@ -165,16 +165,17 @@ class SpeculativeEngine(Engine):
             s.prefilled += n
             ends[r] = s.prefilled == len(ids)
         self.steps_per_bucket[w.rows] = self.steps_per_bucket.get(w.rows, 0) + 1
-        put = self.model.put
-        self.state, self.mstate, self.mlogits, self.hm, first = self._program(_prefill_window, w.rows)(
+        put, sb = self.model.put, self._window_rows(w)
+        greedy = bool(np.all(sb.temperature[[i - w.start for i in it.prefill]] <= 0))
+        self.state, self.mstate, self.mlogits, self.hm, first = self._program(_prefill_window, w.rows, greedy=greedy)(
             self.model.params, self.state, self.mstate, self.mlogits, self.hm, put(toks), put(pos), put(nxt),
-            put(ends), self._window_rows(w), put(np.int32(w.start)))
+            put(ends), sb, put(np.int32(w.start)))
         first = self.model.fetch(first)
         return self._deliver({w.start + r: [int(first[r])] for r in np.flatnonzero(ends)})
 
     def warmup(self) -> int:
-        """Compile the speculative decode programs of every window size (greedy and sampled), the prefill program of
-        every (window size, chunk) and the slot move, on rows at position -1 (nothing in the state changes). Returns
+        """Compile the speculative decode program of every window size and the prefill program of every (window size,
+        chunk), each in its greedy and sampled variant, and the slot move, on rows at position -1 (nothing in the state changes). Returns
         the number of programs run."""
         counts = dict(self.steps_per_bucket)
         self._reset_slots(np.zeros(self.n_slots, bool))
@@ -191,10 +192,11 @@ class SpeculativeEngine(Engine):
         for n, S in self.scheduler.prefill_programs():
             sb = self._host_batch([SamplingParams()] * n)
             neg = np.full((n, S), -1, np.int32)
-            self.state, self.mstate, self.mlogits, self.hm, _ = self._program(_prefill_window, n)(
-                self.model.params, self.state, self.mstate, self.mlogits, self.hm, put(np.zeros((n, S), np.int32)),
-                put(neg), put(neg), put(np.zeros(n, bool)), sb, put(np.int32(0)))
-            n_run += 1
+            for greedy in (True, False):
+                self.state, self.mstate, self.mlogits, self.hm, _ = self._program(_prefill_window, n, greedy=greedy)(
+                    self.model.params, self.state, self.mstate, self.mlogits, self.hm,
+                    put(np.zeros((n, S), np.int32)), put(neg), put(neg), put(np.zeros(n, bool)), sb, put(np.int32(0)))
+                n_run += 1
         if self.scheduler.window_mode != "pool" and self.n_slots > 1:
             zero = put(np.int32(0))
             self._move_slot(zero, zero)

@@ -37,7 +37,7 @@ from ..model.scan import model_step
 from ..runtime.sampling import SamplingBatch, SamplingParams, batch_params, sample
 from ..runtime.steps import batch_bucket, length_bucket
 from . import undo
-from .acceptance import accept, accept_greedy, distribution, draw
+from .acceptance import accept, accept_greedy, argmax_ids, distribution, draw
 
 __all__ = ["Carry", "mtp_generate", "check_mtp_model", "prefill_chunk", "iteration", "iterations", "SpecStats"]
 
@@ -59,31 +59,34 @@ class Carry(NamedTuple):
 
 def check_mtp_model(model: Model) -> None:
     """Clear errors for what the MTP drafter needs and this version does not run."""
+    if model.engram is not None or model.config.dspark is not None or model.config.sharing is not None:
+        raise ValueError("speculative method 'mtp' is for DeepSeek-V4 checkpoints; DeepSeek-V4.1 drafts with its "
+                         "DSpark drafter: speculative={'method': 'dspark', 'num_speculative_tokens': k}")
     if model.plan.mtp is None:
         raise ValueError("speculative decoding with method 'mtp' needs the checkpoint's MTP block loaded: "
                          "jdeep.load(path, mtp=True) (a checkpoint without mtp.* weights has none)")
     if model.compile_mode != "scan" or model.host_embed is not None or model.layout is not None:
         raise ValueError("MTP speculative decoding runs in the scan compile mode on one device so far (not the "
                          "regions mode, host embedding or a mesh)")
-    if model.engram is not None:
-        raise ValueError("MTP speculative decoding is for DeepSeek-V4 models (V4.1 drafts with DSpark)")
 
 
-def prefill_chunk(params, state, mstate, tokens, positions, next_tokens, sb, *, config, plan, numerics):
+def prefill_chunk(params, state, mstate, tokens, positions, next_tokens, sb, *, config, plan, numerics,
+                  greedy: bool = False):
     """A prompt chunk through the backbone, then the MTP block over the same positions.
 
     tokens, positions int32 [B, S] (-1 = padding); next_tokens int32 [B, S]: the token at t + 1 where it is a prompt
     token, else -1 (the row's last prompt position: its first generated token goes in, drawn here from the backbone's
     logits exactly as plain decoding draws it, runtime/sampling.sample with step 0). Returns (first token int32 [B],
     MTP logits at each row's last real position fp32 [B, V], MTP streams there [B, n, d], state, mstate); the first
-    token and MTP outputs mean something only for rows whose prompt ends in this chunk."""
+    token and MTP outputs mean something only for rows whose prompt ends in this chunk. greedy: every row is greedy
+    (the argmax without the sampler's noise; the same token)."""
     logits, state, X = model_step(params, state, tokens, positions, config=config, plan=plan, numerics=numerics,
                                   hidden=True)
-    first = sample(logits, sb, jnp.zeros(tokens.shape[:1], jnp.int32))
+    first = argmax_ids(logits) if greedy else sample(logits, sb, jnp.zeros(tokens.shape[:1], jnp.int32))
     nxt = jnp.where(next_tokens >= 0, next_tokens, first[:, None])
     mlogits, XM, mstate = mtp_step(params, mstate, X, nxt, positions, config=config, plan=plan, numerics=numerics,
                                    all_logits=False)
-    last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
+    last = jnp.clip(jnp.sum(positions >= 0, axis=1) - 1, 0, positions.shape[1] - 1)
     hm = jnp.take_along_axis(XM, last[:, None, None, None], axis=1)[:, 0]
     return first, mlogits, hm, state, mstate
 
@@ -104,7 +107,7 @@ def iteration(params, state, mstate, carry: Carry, sb: SamplingBatch, stops, max
     def propose(logits, i):
         """A draft token from the drafter's logits [B, V] (and its distribution, unless greedy)."""
         if greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+            return argmax_ids(logits), None
         q = distribution(logits[:, None], sb)[:, 0]
         return draw(q, sb, count, _DRAFT_TAG + i), q
 
@@ -136,11 +139,12 @@ def iteration(params, state, mstate, carry: Carry, sb: SamplingBatch, stops, max
     state = undo.restore(state, b_saved, b_index, rejected)
     lg, XM, mstate = mtp(mstate, XB, g, jnp.where(rejected, -1, pos), all_logits=False)
     mstate = undo.restore(mstate, m_saved, m_index, rejected)
-    hm = jnp.take_along_axis(XM, a[:, None, None, None], axis=1)[:, 0]
+    a_ix = jnp.clip(a, 0, k)
+    hm = jnp.take_along_axis(XM, a_ix[:, None, None, None], axis=1)[:, 0]
     emitted = jnp.where(offs[None, :] < n[:, None], g, -1)
     count = count + n
     done = done | (first_stop < n) | (count >= max_new)
-    nxt = jnp.take_along_axis(g, a[:, None], axis=1)[:, 0]
+    nxt = jnp.take_along_axis(g, a_ix[:, None], axis=1)[:, 0]
     carry = Carry(jnp.where(live, nxt, x), jnp.where(live, p + a + 1, p), jnp.where(live[:, None], lg, mlogits),
                   jnp.where(live[:, None, None], hm, carry.hm), count, done)
     return state, mstate, carry, emitted, jnp.where(live, a, -1)
@@ -163,9 +167,9 @@ def _key(model: Model) -> tuple:
     return (model.config, model.plan, model.numerics)
 
 
-def prefill_program(model: Model):
-    kw = dict(config=model.config, plan=model.plan, numerics=model.numerics)
-    return PROGRAMS.get(("mtp_prefill",) + _key(model),
+def prefill_program(model: Model, greedy: bool):
+    kw = dict(config=model.config, plan=model.plan, numerics=model.numerics, greedy=greedy)
+    return PROGRAMS.get(("mtp_prefill", greedy) + _key(model),
                         lambda: jax.jit(functools.partial(prefill_chunk, **kw), donate_argnums=(1, 2)))
 
 
@@ -236,7 +240,8 @@ def run(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_size: i
     stops = np.full((Bb, width), -1, np.int32)
     for b, s in enumerate(stop_ids):
         stops[b, :len(s)] = s
-    prefill = prefill_program(model)
+    greedy = all(s.temperature == 0 for s in sampling)
+    prefill = prefill_program(model, greedy)
     first = mlogits = hm = None
     for start in range(0, int(lens.max()), prefill_chunk_size):
         S = length_bucket(min(prefill_chunk_size, int(lens.max()) - start))
@@ -263,7 +268,6 @@ def run(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_size: i
     carry = Carry(jnp.asarray(x), jnp.asarray(lens.astype(np.int32)), mlogits, hm, jnp.asarray(count),
                   jnp.asarray(done))
     stats = SpecStats(k)
-    greedy = all(s.temperature == 0 for s in sampling)
     stops, max_new_d = jnp.asarray(stops), jnp.asarray(max_new)
     while not done.all():
         # a whole block while the longest row needs that many iterations at the acceptance seen so far, then single

@@ -37,7 +37,7 @@ def _leaf_index(name: str, leaf: jax.Array, ratio: int, positions: jax.Array) ->
         idx = jnp.where(done & (g < E), g, E)
     else:
         raise ValueError(f"unknown state leaf {name!r}")
-    return jnp.where(positions >= 0, idx, E).astype(jnp.int32)
+    return jnp.clip(jnp.where(positions >= 0, idx, E), 0, E).astype(jnp.int32)    # (clamped: Neuron's S12)
 
 
 def entry_index(state: dict, plan: LayerPlan | None, positions: jax.Array, mtp: bool = False) -> Any:

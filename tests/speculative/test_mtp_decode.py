@@ -87,7 +87,8 @@ def test_greedy_speculation_matches_deepseek_on_the_golden():
 
 def test_speculative_requests_that_cannot_run_fail_clearly(models):
     model, prompt = models[False], [[0, 5, 9]]
-    for spec, what in [({"method": "dspark"}, "not built yet"), ({"method": "eagle"}, "method must be one of"),
+    for spec, what in [({"method": "dspark"}, "DeepSeek-V4 checkpoints draft with method 'mtp'"),
+                       ({"method": "eagle"}, "method must be one of"),
                        ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"method": "mtp", "k": 2}, "unknown speculative field"), ("mtp", "must be a dict")]:
         with pytest.raises(ValueError, match=what):
