@@ -15,11 +15,6 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # CLI runs inside the tests do not write the user's persistent compilation cache (test_cli checks the cache itself)
 os.environ.setdefault("JDEEP_NO_COMPILE_CACHE", "1")
 GOLDEN_DIR = pathlib.Path(os.environ.get("JDEEP_GOLDEN_DIR", REPO.parent / "shared" / "golden"))
-# The suite's time is mostly XLA:CPU compiling small models: LLVM's backend optimisation off compiles ~30 % faster
-# and runs the tiny test models about as fast (it does not change floating-point semantics: no fast-math either way).
-# Set before jax is imported; CLI subprocesses inherit it.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 
 def _use_nki_emulation() -> None:

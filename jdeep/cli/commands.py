@@ -279,8 +279,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result = result_head(model, None)
             result["runs"] = []
             sets = bench_prompts(model.config, args.input_len, sizes, args.seed, prompts)
-            result["speculative"] = run_speculative(model, sets, args.output_len,
-                                                    range(1, parse_speculative(spec)[1] + 1), progress=_spec_progress)
+            method, k = parse_speculative(spec)
+            result["speculative"] = run_speculative(model, sets, args.output_len, range(1, k + 1),
+                                                    progress=_spec_progress, method=method)
         elif mixed_chunks is not None:
             result = result_head(model, None)
             result["runs"] = []

@@ -83,10 +83,11 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     runs on the host, one step call per token); between blocks `stream(new_tokens)` (if given) receives each request's tokens
     since the last call, and generation ends early once every request is done. Models with Engram layers
     decode one step per block (their table rows are gathered on the host from the token just sampled).
-    speculative: {"method": "mtp", "num_speculative_tokens": k} drafts k tokens per step with the checkpoint's MTP
-    block (jdeep.load(path, mtp=True)) and verifies them in one step (jdeep/speculative): greedy requests get the
-    tokens of plain decoding, sampled ones the same distribution; blocks of up to `stream_every` iterations run on
-    the device between host reads; no return_logits.
+    speculative: {"method": "mtp" | "dspark", "num_speculative_tokens": k} drafts k tokens per step with the
+    checkpoint's drafter (V4's MTP block, V4.1's DSpark stages; jdeep.load(path, mtp=True)) and verifies them in one
+    step (jdeep/speculative): greedy requests get the tokens of plain decoding, sampled ones the same distribution;
+    blocks of up to `stream_every` iterations run on the device between host reads (per iteration for Engram
+    models); no return_logits.
     """
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:

@@ -90,6 +90,9 @@ class SpeculativeEngine(Engine):
 
     def __init__(self, model: Model, speculative: dict, **kw):
         method, self.k = parse_speculative(speculative)
+        if method != "mtp":
+            raise ValueError(f"the engine (and jdeep serve) runs speculative method 'mtp' so far; {method!r} runs in "
+                             "jdeep.generate / jdeep generate")
         check_mtp_model(model)
         super().__init__(model, decode_width=self.k + 1, **kw)
         self.spec_stats = SpecStats(self.k)

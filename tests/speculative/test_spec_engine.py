@@ -1,5 +1,5 @@
 """Speculative decoding in the engine and the server (MTP, k = 2, the trained demo model in float numerics): requests
-joining and leaving a 4-slot pool get the tokens the plain engine gives them (greedy; stop ids and max_new_tokens cut
+joining and leaving a 2-slot pool get the tokens the plain engine gives them (greedy; stop ids and max_new_tokens cut
 accepted drafts short), sampled requests run beside them, warm-up compiles every program serving reaches, and the
 OpenAI server built with --speculative-config answers as jdeep.generate does."""
 
@@ -21,7 +21,7 @@ from jdeep.speculative.engine import SpeculativeEngine, make_engine
 
 DEMO = pathlib.Path(jdeep.__file__).parent / "demo_model"
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
-ENGINE = dict(max_num_seqs=4, max_len=96, prefill_chunk=16, ignore_eos=True)
+ENGINE = dict(max_num_seqs=2, max_len=96, prefill_chunk=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_speculative_engine_gives_the_plain_engines_tokens(model):
 
     eng = SpeculativeEngine(model, SPEC, **ENGINE)
     state = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(eng.state)]
-    assert eng.warmup() == 3 * 2 * 2 + 1    # windows 1, 2, 4 x (decode, prefill 16) x (greedy, sampled), the move
+    assert eng.warmup() == 2 * 2 * 2 + 1    # windows 1, 2 x (decode, prefill 16) x (greedy, sampled), the move
     for before, after in zip(state, jax.tree_util.tree_leaves(eng.state)):
         np.testing.assert_array_equal(before, np.asarray(after))
     compiles = []
