@@ -45,7 +45,7 @@ from ..runtime.sampling import SamplingBatch, SamplingParams, batch_params, samp
 from ..runtime.steps import batch_bucket, length_bucket
 from . import undo
 from .acceptance import accept, accept_greedy, distribution, draw
-from .mtp_decode import SpecStats, state_len
+from .mtp_decode import SpecStats, block_length, state_len, take_block
 
 __all__ = ["Carry", "Final", "check_dspark_model", "check_k", "dspark_generate", "run", "run_full", "prefill_chunk",
            "draft", "verify", "iteration", "ring_entries"]
@@ -316,21 +316,9 @@ def run_full(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_si
             history.advance(tokens, np.asarray(kept), _dead(model, tokens))
             emitted, a = np.asarray(emitted)[None], np.asarray(a)[None]
         else:
-            # a whole block while the longest row needs that many iterations at the acceptance seen so far
-            per_iter = 1 + stats.accepted / max(stats.iterations, 1)
-            need = int(np.ceil(np.max(np.where(done, 0, max_new - count)) / per_iter))
-            n = block_iterations if need >= block_iterations else 1
+            n = block_length(stats, done, max_new, count, block_iterations)
             state, dstate, carry, emitted, a = iterations_program(model, k, n, greedy)(
                 model.params, state, dstate, carry, sb, stops, max_new_d)
             emitted, a = np.asarray(emitted), np.asarray(a)
-        stats.add(a[:, :B])
-        new = [[int(t) for t in emitted[:, b].reshape(-1) if t >= 0] for b in range(B)]
-        for b in range(B):
-            out[b, count[b]:count[b] + len(new[b])] = new[b]
-            count[b] += len(new[b])
-        done = np.asarray(carry.done).copy()
-        stop_rows = [b for b in (on_block(new) if on_block else ()) if not done[b]]
-        if stop_rows:
-            done[stop_rows] = True
-            carry = carry._replace(done=jnp.asarray(done))
+        carry, done = take_block(emitted, a, out, count, stats, carry, on_block, B)
     return out[:B], stats.as_dict(), Final(state, dstate, history)

@@ -217,6 +217,33 @@ def mtp_generate(model: Model, prompts: Sequence[np.ndarray], sampling: Sequence
     return out, stats
 
 
+def block_length(stats: SpecStats, done: np.ndarray, max_new: np.ndarray, count: np.ndarray,
+                 block_iterations: int) -> int:
+    """Iterations of the next block: a whole block while the longest running row needs that many at the acceptance
+    seen so far, then single iterations (two compiled programs per k)."""
+    per_iter = 1 + stats.accepted / max(stats.iterations, 1)
+    need = int(np.ceil(np.max(np.where(done, 0, max_new - count)) / per_iter))
+    return block_iterations if need >= block_iterations else 1
+
+
+def take_block(emitted: np.ndarray, accepted: np.ndarray, out: np.ndarray, count: np.ndarray, stats: SpecStats,
+               carry, on_block, B: int):
+    """After a block (emitted int32 [n, Bb, k+1], accepted int32 [n, Bb]): count the acceptance, append each row's
+    tokens to out at count (both updated in place), and end the rows on_block names (stop strings). Returns (carry,
+    done bool [Bb])."""
+    stats.add(accepted[:, :B])
+    new = [[int(t) for t in emitted[:, b].reshape(-1) if t >= 0] for b in range(B)]
+    for b in range(B):
+        out[b, count[b]:count[b] + len(new[b])] = new[b]
+        count[b] += len(new[b])
+    done = np.asarray(carry.done).copy()
+    stop_rows = [b for b in (on_block(new) if on_block else ()) if not done[b]]
+    if stop_rows:
+        done[stop_rows] = True
+        carry = carry._replace(done=jnp.asarray(done))
+    return carry, done
+
+
 def state_len(prompt_lens: Sequence[int], max_new: Sequence[int], k: int) -> int:
     """The cache length a batch needs: its longest prompt + max_new_tokens, plus the k + 1 verified positions."""
     return length_bucket(max(int(n) + int(m) for n, m in zip(prompt_lens, max_new)) + k + 1, 256)
@@ -270,22 +297,9 @@ def run(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_size: i
     stats = SpecStats(k)
     stops, max_new_d = jnp.asarray(stops), jnp.asarray(max_new)
     while not done.all():
-        # a whole block while the longest row needs that many iterations at the acceptance seen so far, then single
-        # iterations (two compiled programs per k)
-        per_iter = 1 + stats.accepted / max(stats.iterations, 1)
-        need = int(np.ceil(np.max(np.where(done, 0, max_new - count)) / per_iter))
-        n = block_iterations if need >= block_iterations else 1
+        n = block_length(stats, done, max_new, count, block_iterations)
         state, mstate, carry, emitted, a = iterations_program(model, k, n, greedy)(
             model.params, state, mstate, carry, sb, stops, max_new_d)
         emitted, a = np.asarray(emitted), np.asarray(a)
-        stats.add(a[:, :B])
-        new = [[int(t) for t in emitted[:, b].reshape(-1) if t >= 0] for b in range(B)]
-        for b in range(B):
-            out[b, count[b]:count[b] + len(new[b])] = new[b]
-            count[b] += len(new[b])
-        done = np.asarray(carry.done).copy()
-        stop_rows = [b for b in (on_block(new) if on_block else ()) if not done[b]]
-        if stop_rows:
-            done[stop_rows] = True
-            carry = carry._replace(done=jnp.asarray(done))
+        carry, done = take_block(emitted, a, out, count, stats, carry, on_block, B)
     return out[:B], stats.as_dict(), state
