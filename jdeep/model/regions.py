@@ -110,14 +110,16 @@ def _ffn(p, experts, layer, streams, tokens, positions, *, config, numerics, has
                     hash_moe=hash_moe, delayed_premix=delayed_premix, layout=layout)
 
 
-def _make_program(name, config, plan, numerics, rows, kind, hash_moe, all_logits, layout) -> Callable:
+def _make_program(name, config, plan, numerics, rows, kind, hash_moe, all_logits, layout, hidden=False) -> Callable:
     if name == "embed":
         return jax.jit(lambda table, tokens, embeds: embed_streams(table, tokens, embeds, config=config, plan=plan))
     if name == "head":
-        head = functools.partial(head_logits, config=config, plan=plan, all_logits=all_logits)
+        logits = functools.partial(head_logits, config=config, plan=plan, all_logits=all_logits)
         if layout is not None:      # logits replicated, as in the scan mode
-            return jax.jit(lambda *a: layout.constrain_replicated(head(*a)))
-        return jax.jit(head)
+            logits = lambda *a, _f=logits: layout.constrain_replicated(_f(*a))
+        if hidden:                  # also the final streams X [B, S, n, d] (what the MTP drafter reads)
+            return jax.jit(lambda p, s, positions: (logits(p, s, positions), s.X))
+        return jax.jit(logits)
     if name == "attn":      # state first (donated), returned as (out, state)
         freqs = inv_freq(config.rope_for(kind.attn), config.rope_head_dim)
         fn = _rows(rows, functools.partial(_attention, config=config, numerics=numerics, kind=kind, freqs=freqs,
@@ -143,16 +145,17 @@ def n_compiled(config: ModelConfig, numerics: Numerics, cache: ProgramCache = PR
 
 class RegionsStep:
     """`step(params, state, tokens, positions, engram=None, embeds=None) -> (logits, state)` in the regions
-    mode, for one (architecture, numerics, logits mode, rows bucket). state is donated (consumed).
+    mode, for one (architecture, numerics, logits mode, rows bucket). state is donated (consumed). With `hidden`
+    the first output is (logits, the final streams X [B, S, n, d]), as model_step(hidden=True) returns them.
 
     embeds: host-gathered token embeddings [B, S, d] (host-resident embedding; params then need no
     "embed"). `programs(...)` lists the distinct compiled programs one step calls (for export and checks).
     """
 
     def __init__(self, config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool,
-                 rows: int | None = None, layout=None, cache: ProgramCache = PROGRAMS):
+                 rows: int | None = None, layout=None, cache: ProgramCache = PROGRAMS, hidden: bool = False):
         self.config, self.plan, self.numerics, self.all_logits, self.rows = config, plan, numerics, all_logits, rows
-        self.layout, self.cache = layout, cache
+        self.layout, self.cache, self.hidden = layout, cache, hidden
         self._index = {}
 
     def _scalar(self, i: int) -> jax.Array:
@@ -164,9 +167,11 @@ class RegionsStep:
         """One jitted region program, shared by every model and step with the same architecture, bucket and layout."""
         rows = self.rows if name == "attn" else None
         all_logits = self.all_logits if name == "head" else False
-        key = ("region", name, self.config, self.plan, self.numerics, rows, kind, hash_moe, all_logits, self.layout)
+        hidden = self.hidden and name == "head"
+        key = ("region", name, self.config, self.plan, self.numerics, rows, kind, hash_moe, all_logits, self.layout) \
+            + (("hidden",) if hidden else ())
         return self.cache.get(key, lambda: _make_program(name, self.config, self.plan, self.numerics, rows, kind,
-                                                         hash_moe, all_logits, self.layout))
+                                                         hash_moe, all_logits, self.layout, hidden))
 
     def __call__(self, params, state, tokens, positions, engram=None, embeds=None, start=None):
         """start: the first slot of the step's window of `rows` slots (an int32 scalar; None: slot 0)."""
@@ -221,6 +226,7 @@ class RegionsStep:
 
 
 def regions_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool,
-                 rows: int | None = None, layout=None, cache: ProgramCache = PROGRAMS) -> RegionsStep:
-    return cache.get(("regions_step", config, plan, numerics, all_logits, rows, layout),
-                     lambda: RegionsStep(config, plan, numerics, all_logits, rows, layout, cache))
+                 rows: int | None = None, layout=None, cache: ProgramCache = PROGRAMS,
+                 hidden: bool = False) -> RegionsStep:
+    return cache.get(("regions_step", config, plan, numerics, all_logits, rows, layout, hidden),
+                     lambda: RegionsStep(config, plan, numerics, all_logits, rows, layout, cache, hidden))

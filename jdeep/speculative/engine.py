@@ -19,6 +19,7 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from ..model.model import Model
+from ..model.regions import regions_step
 from ..model.mtp import init_mtp_state
 from ..runtime.engine import Engine, RequestOutput
 from ..runtime.sampling import INT32_MAX, SamplingParams
@@ -26,7 +27,8 @@ from ..runtime.scheduler import Iteration
 from ..runtime.steps import length_bucket, pack_chunk
 from ..state import move_slot, put_slot_window, slot_window
 from .config import parse_speculative
-from .mtp_decode import Carry, SpecStats, check_mtp_model, iteration, prefill_chunk
+from .mtp_decode import SpecStats, check_mtp_model
+from .mtp_iteration import Carry, draft, finish, iteration, mtp_params, prefill_chunk, prefill_tail
 
 __all__ = ["SpeculativeEngine", "make_engine"]
 
@@ -67,6 +69,43 @@ def _prefill_window(params, state, mstate, mlogits, hm, tokens, positions, next_
     h = jnp.where(ends[:, None, None], h, _rows_of(hm, rows, start))
     return (put_slot_window(state, sw, start), put_slot_window(mstate, mw, start), _put_rows(mlogits, ml, start),
             _put_rows(hm, h, start), first)
+
+
+def _draft_window(params, state, mstate, mlogits, hm, x, p, count, live, sb, start, *, rows, k, greedy, config, plan,
+                  numerics):
+    """The regions mode's first third of _decode_window: the window's carry and the draft (mtp_iteration.draft).
+    Returns (mstate, carry, Drafted)."""
+    start = jnp.clip(start, 0, mlogits.shape[0] - rows)
+    carry = Carry(x, p, _rows_of(mlogits, rows, start), _rows_of(hm, rows, start), count, ~live)
+    mw, dr = draft(params, slot_window(state, rows, start), slot_window(mstate, rows, start), carry, sb, k=k,
+                   config=config, plan=plan, numerics=numerics, greedy=greedy)
+    return put_slot_window(mstate, mw, start), carry, dr
+
+
+def _finish_window(params, state, mstate, mlogits, hm, carry, dr, logits, XB, sb, start, *, rows, k, greedy, config,
+                   plan, numerics):
+    """The regions mode's last third of _decode_window, after the regions step verified the window's k + 1
+    positions (mtp_iteration.finish). Returns what _decode_window returns."""
+    start = jnp.clip(start, 0, mlogits.shape[0] - rows)
+    stops = jnp.full((rows, 1), -1, jnp.int32)
+    max_new = jnp.full((rows,), INT32_MAX, jnp.int32)
+    sw, mw, carry, emitted, a = finish(params, slot_window(state, rows, start), slot_window(mstate, rows, start),
+                                       carry, dr, logits, XB, sb, stops, max_new, k=k, config=config, plan=plan,
+                                       numerics=numerics, greedy=greedy)
+    return (put_slot_window(state, sw, start), put_slot_window(mstate, mw, start),
+            _put_rows(mlogits, carry.mlogits, start), _put_rows(hm, carry.hm, start), emitted, a)
+
+
+def _tail_window(params, mstate, mlogits, hm, logits, X, positions, next_tokens, ends, sb, start, *, rows, greedy,
+                 config, plan, numerics):
+    """The regions mode's MTP half of _prefill_window, after the regions step ran the chunk (its logits and final
+    streams X). Returns (mstate, mlogits, hm, first token int32 [rows])."""
+    start = jnp.clip(start, 0, mlogits.shape[0] - rows)
+    first, ml, h, mw = prefill_tail(params, slot_window(mstate, rows, start), logits, X, positions, next_tokens, sb,
+                                    config=config, plan=plan, numerics=numerics, greedy=greedy)
+    ml = jnp.where(ends[:, None], ml, _rows_of(mlogits, rows, start))
+    h = jnp.where(ends[:, None, None], h, _rows_of(hm, rows, start))
+    return put_slot_window(mstate, mw, start), _put_rows(mlogits, ml, start), _put_rows(hm, h, start), first
 
 
 def _move_rows(tree, src, dst):
@@ -121,11 +160,47 @@ class SpeculativeEngine(Engine):
         self.state, self.mstate, (self.mlogits, self.hm) = PROGRAMS.jit(_move_all, donate_argnums=(0, 1, 2))(
             self.state, self.mstate, (self.mlogits, self.hm), src, dst)
 
-    def _program(self, fn, rows: int, **extra):
+    def _program(self, fn, rows: int, donate: tuple[int, ...] = (1, 2, 3, 4), **extra):
         m = self.model
         kw = dict(rows=rows, config=m.config, plan=m.plan, numerics=m.numerics, **extra)
         key = (fn.__name__, rows, tuple(sorted(extra.items())), m.config, m.plan, m.numerics)
-        return PROGRAMS.get(key, lambda: jax.jit(functools.partial(fn, **kw), donate_argnums=(1, 2, 3, 4)))
+        return PROGRAMS.get(key, lambda: jax.jit(functools.partial(fn, **kw), donate_argnums=donate))
+
+    def _decode_program(self, rows: int, greedy: bool):
+        """(params, state, mstate, mlogits, hm, x, p, count, live, sb, start) -> (state, mstate, mlogits, hm, emitted,
+        accepted): one program in the scan compile mode; in the regions mode the draft program, the regions step over
+        the window's k + 1 positions and the finish program."""
+        if self.model.compile_mode != "regions":
+            return self._program(_decode_window, rows, k=self.k, greedy=greedy)
+        m = self.model
+        draft_p = self._program(_draft_window, rows, donate=(2,), k=self.k, greedy=greedy)   # state: read
+        finish_p = self._program(_finish_window, rows, k=self.k, greedy=greedy)
+        verify = regions_step(m.config, m.plan, m.numerics, True, rows, m.layout, hidden=True)
+
+        def run(params, state, mstate, mlogits, hm, x, p, count, live, sb, start):
+            mp = mtp_params(params)
+            mstate, carry, dr = draft_p(mp, state, mstate, mlogits, hm, x, p, count, live, sb, start)
+            (logits, XB), state = verify(params, state, dr.tokens, dr.pos, start=start)
+            return finish_p(mp, state, mstate, mlogits, hm, carry, dr, logits, XB, sb, start)
+        return run
+
+    def _prefill_program(self, rows: int, greedy: bool):
+        """(params, state, mstate, mlogits, hm, tokens, positions, next_tokens, ends, sb, start) -> (state, mstate,
+        mlogits, hm, first): one program in the scan mode; the regions step and the MTP half in the regions mode."""
+        if self.model.compile_mode != "regions":
+            return self._program(_prefill_window, rows, greedy=greedy)
+        m = self.model
+        tail = PROGRAMS.get(("_tail_window", rows, greedy, m.config, m.plan, m.numerics), lambda: jax.jit(
+            functools.partial(_tail_window, rows=rows, greedy=greedy, config=m.config, plan=m.plan,
+                              numerics=m.numerics), donate_argnums=(1, 2, 3)))
+        backbone = regions_step(m.config, m.plan, m.numerics, False, rows, m.layout, hidden=True)
+
+        def run(params, state, mstate, mlogits, hm, tokens, positions, next_tokens, ends, sb, start):
+            (logits, X), state = backbone(params, state, tokens, positions, start=start)
+            mstate, mlogits, hm, first = tail(mtp_params(params), mstate, mlogits, hm, logits, X, positions,
+                                              next_tokens, ends, sb, start)
+            return state, mstate, mlogits, hm, first
+        return run
 
     def _decode(self, it: Iteration) -> list[RequestOutput]:
         if not it.decode:
@@ -142,7 +217,7 @@ class SpeculativeEngine(Engine):
         self.steps_per_bucket[w.rows] = self.steps_per_bucket.get(w.rows, 0) + 1
         put, sb = self.model.put, self._window_rows(w)
         greedy = bool(np.all(sb.temperature[live] <= 0))
-        program = self._program(_decode_window, w.rows, k=self.k, greedy=greedy)
+        program = self._decode_program(w.rows, greedy)
         self.state, self.mstate, self.mlogits, self.hm, emitted, a = program(
             self.model.params, self.state, self.mstate, self.mlogits, self.hm, put(x), put(p), put(count), put(live),
             sb, put(np.int32(w.start)))
@@ -170,7 +245,7 @@ class SpeculativeEngine(Engine):
         self.steps_per_bucket[w.rows] = self.steps_per_bucket.get(w.rows, 0) + 1
         put, sb = self.model.put, self._window_rows(w)
         greedy = bool(np.all(sb.temperature[[i - w.start for i in it.prefill]] <= 0))
-        self.state, self.mstate, self.mlogits, self.hm, first = self._program(_prefill_window, w.rows, greedy=greedy)(
+        self.state, self.mstate, self.mlogits, self.hm, first = self._prefill_program(w.rows, greedy)(
             self.model.params, self.state, self.mstate, self.mlogits, self.hm, put(toks), put(pos), put(nxt),
             put(ends), sb, put(np.int32(w.start)))
         first = self.model.fetch(first)
@@ -187,7 +262,7 @@ class SpeculativeEngine(Engine):
             z = np.zeros(n, np.int32)
             sb = self._host_batch([SamplingParams()] * n)
             for greedy in (True, False):
-                program = self._program(_decode_window, n, k=self.k, greedy=greedy)
+                program = self._decode_program(n, greedy)
                 self.state, self.mstate, self.mlogits, self.hm, _, _ = program(
                     self.model.params, self.state, self.mstate, self.mlogits, self.hm, put(z), put(z), put(z),
                     put(np.zeros(n, bool)), sb, put(np.int32(0)))
@@ -196,7 +271,7 @@ class SpeculativeEngine(Engine):
             sb = self._host_batch([SamplingParams()] * n)
             neg = np.full((n, S), -1, np.int32)
             for greedy in (True, False):
-                self.state, self.mstate, self.mlogits, self.hm, _ = self._program(_prefill_window, n, greedy=greedy)(
+                self.state, self.mstate, self.mlogits, self.hm, _ = self._prefill_program(n, greedy)(
                     self.model.params, self.state, self.mstate, self.mlogits, self.hm,
                     put(np.zeros((n, S), np.int32)), put(neg), put(neg), put(np.zeros(n, bool)), sb, put(np.int32(0)))
                 n_run += 1

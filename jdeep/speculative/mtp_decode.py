@@ -1,30 +1,17 @@
-"""Speculative decoding with DeepSeek-V4's MTP block as the drafter (model-spec.md §4.7), greedy and sampled.
+"""Speculative decoding with DeepSeek-V4's MTP block as the drafter (model-spec.md §4.7) for jdeep.generate: the
+prompt's prefill chunks (backbone and MTP block), then blocks of iterations (mtp_iteration.py) between host reads,
+greedy and sampled.
 
-Per row, an iteration starts from x (the last accepted token, at position p, not yet in the state), the drafter's
-logits for the token at p + 1 (`mlogits`) and hm (the MTP block's output streams at p - 1); the backbone state
-holds positions < p, the MTP window positions < p.
-
-    draft    d1 from mlogits; d2..dk: the MTP block chained on its own output streams at positions p .. p+k-2 (as
-             vLLM chains a single MTP layer for k > 1); each d_i drawn from the row's transform of the drafter's
-             logits (acceptance.py: argmax for greedy rows)
-    verify   one backbone step over [x, d1..dk] at positions p .. p+k (all logits and the final streams), then the
-             acceptance rule (acceptance.py): a accepted drafts, the tokens g_0..g_a emitted (the accepted drafts and
-             the residual draw, or the bonus token when all k are accepted); greedy rows: exactly plain greedy decoding
-    restore  the state entries positions p+a+1 .. p+k wrote are set back from an undo log saved before the step
-             (undo.py), so the backbone state equals plain decoding's (also where a stop id or max_new_tokens cuts
-             the accepted tokens short)
-    catch up one MTP step over positions p .. p+a with the backbone's streams and the tokens g_0..g_a (the MTP block's
-             true inputs), whose last position gives the next iteration's mlogits and hm; its window is restored too
-
-`iterations` runs n of them in one program (a scan with a fixed trip count; a row that ends feeds position -1 and
-emits nothing), checking each row's stop ids and max_new_tokens on the device, so the host reads tokens once per
-block. `mtp_generate` drives prefill and blocks for jdeep.generate; the Engine runs `iteration` over slot windows.
+The compiled programs per compile mode: in the scan mode a prefill chunk is one program and a block of n iterations
+one program (a scan); in the regions mode (RegionsPrograms) a prefill chunk is the regions step with the final
+streams, then the MTP half (prefill_tail), and an iteration is three calls: the draft program, the regions step over
+the k + 1 verified positions, the finish program. Both give the same tokens and states.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,29 +19,14 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from ..model.model import Model
-from ..model.mtp import init_mtp_state, mtp_step
-from ..model.scan import model_step
-from ..runtime.sampling import SamplingBatch, SamplingParams, batch_params, sample
+from ..model.mtp import init_mtp_state
+from ..model.regions import regions_step
+from ..runtime.sampling import SamplingParams, batch_params
 from ..runtime.steps import batch_bucket, length_bucket
-from . import undo
-from .acceptance import accept, accept_greedy, argmax_ids, distribution, draw
+from .mtp_iteration import Carry, draft, finish, iteration, iterations, mtp_params, prefill_chunk, prefill_tail
 
-__all__ = ["Carry", "mtp_generate", "check_mtp_model", "prefill_chunk", "iteration", "iterations", "SpecStats"]
-
-_DRAFT_TAG, _ACCEPT_TAG = 1, 1000
-
-
-class Carry(NamedTuple):
-    """Per-row speculative decoding state besides the caches: x int32 [B] (last accepted token, at position p, not in
-    the state), p int32 [B], mlogits fp32 [B, V] (the drafter's logits for the token at p + 1), hm [B, n, d] (the MTP
-    block's output streams at p - 1), count int32 [B] (tokens generated), done bool [B]."""
-
-    x: jax.Array
-    p: jax.Array
-    mlogits: jax.Array
-    hm: jax.Array
-    count: jax.Array
-    done: jax.Array
+__all__ = ["Carry", "mtp_generate", "check_mtp_model", "prefill_chunk", "iteration", "iterations", "SpecStats",
+           "RegionsPrograms", "programs"]
 
 
 def check_mtp_model(model: Model) -> None:
@@ -65,118 +37,75 @@ def check_mtp_model(model: Model) -> None:
     if model.plan.mtp is None:
         raise ValueError("speculative decoding with method 'mtp' needs the checkpoint's MTP block loaded: "
                          "jdeep.load(path, mtp=True) (a checkpoint without mtp.* weights has none)")
-    if model.compile_mode != "scan" or model.host_embed is not None or model.layout is not None:
-        raise ValueError("MTP speculative decoding runs in the scan compile mode on one device so far (not the "
-                         "regions mode, host embedding or a mesh)")
-
-
-def prefill_chunk(params, state, mstate, tokens, positions, next_tokens, sb, *, config, plan, numerics,
-                  greedy: bool = False):
-    """A prompt chunk through the backbone, then the MTP block over the same positions.
-
-    tokens, positions int32 [B, S] (-1 = padding); next_tokens int32 [B, S]: the token at t + 1 where it is a prompt
-    token, else -1 (the row's last prompt position: its first generated token goes in, drawn here from the backbone's
-    logits exactly as plain decoding draws it, runtime/sampling.sample with step 0). Returns (first token int32 [B],
-    MTP logits at each row's last real position fp32 [B, V], MTP streams there [B, n, d], state, mstate); the first
-    token and MTP outputs mean something only for rows whose prompt ends in this chunk. greedy: every row is greedy
-    (the argmax without the sampler's noise; the same token)."""
-    logits, state, X = model_step(params, state, tokens, positions, config=config, plan=plan, numerics=numerics,
-                                  hidden=True)
-    first = argmax_ids(logits) if greedy else sample(logits, sb, jnp.zeros(tokens.shape[:1], jnp.int32))
-    nxt = jnp.where(next_tokens >= 0, next_tokens, first[:, None])
-    mlogits, XM, mstate = mtp_step(params, mstate, X, nxt, positions, config=config, plan=plan, numerics=numerics,
-                                   all_logits=False)
-    last = jnp.clip(jnp.sum(positions >= 0, axis=1) - 1, 0, positions.shape[1] - 1)
-    hm = jnp.take_along_axis(XM, last[:, None, None, None], axis=1)[:, 0]
-    return first, mlogits, hm, state, mstate
-
-
-def iteration(params, state, mstate, carry: Carry, sb: SamplingBatch, stops, max_new, *, k, config, plan, numerics,
-              greedy: bool = False):
-    """One draft-verify-restore-catch-up iteration (module docstring). stops int32 [B, W] (-1 = unused), max_new
-    int32 [B]. greedy: every row is greedy (a program variant that compares argmaxes and builds no distributions;
-    the same tokens). Returns (state, mstate, carry, emitted int32 [B, k+1] (-1 past what the row emits), accepted int32 [B]
-    (-1 for rows that were done))."""
-    mtp = functools.partial(mtp_step, params, config=config, plan=plan, numerics=numerics)
-    x, p, mlogits, hm, count, done = carry
-    live = ~done
-    offs = jnp.arange(k + 1, dtype=jnp.int32)
-    pos = jnp.where(live[:, None], p[:, None] + offs[None, :], -1)                     # [B, k+1]
-    m_index = undo.entry_index(mstate, None, pos, mtp=True)
-    m_saved = undo.save(mstate, m_index)
-    def propose(logits, i):
-        """A draft token from the drafter's logits [B, V] (and its distribution, unless greedy)."""
-        if greedy:
-            return argmax_ids(logits), None
-        q = distribution(logits[:, None], sb)[:, 0]
-        return draw(q, sb, count, _DRAFT_TAG + i), q
-
-    d, qi = propose(mlogits, 0)
-    drafts, q, h = [d], [qi], hm
-    for i in range(1, k):
-        lg, X, mstate = mtp(mstate, h[:, None], drafts[-1][:, None], pos[:, i - 1:i], all_logits=False)
-        d, qi = propose(lg, i)
-        drafts.append(d)
-        q.append(qi)
-        h = X[:, 0]
-    drafts = jnp.stack(drafts, axis=1)                                                 # [B, k]
-    tokens = jnp.concatenate([x[:, None], drafts], axis=1)                             # [B, k+1]
-    b_index = undo.entry_index(state, plan, pos)
-    b_saved = undo.save(state, b_index)
-    logits, state, XB = model_step(params, state, tokens, pos, config=config, plan=plan, numerics=numerics,
-                                   all_logits=True, hidden=True)
-    if greedy:
-        g, a = accept_greedy(drafts, logits)
-    else:
-        g, a = accept(drafts, jnp.stack(q, axis=1), distribution(logits, sb), sb, count, _ACCEPT_TAG)
-    # what each row emits: up to a + 1 tokens, cut after its first stop id and at max_new_tokens
-    is_stop = jnp.any(g[:, :, None] == stops[:, None, :], axis=-1) & (offs[None, :] <= a[:, None])
-    first_stop = jnp.min(jnp.where(is_stop, offs[None, :], k + 1), axis=1)
-    n = jnp.minimum(jnp.minimum(a + 1, first_stop + 1), max_new - count)
-    n = jnp.where(live, n, 0)
-    # the state keeps positions p .. p+n-1 (x and the emitted tokens but the last), as plain decoding's would
-    rejected = offs[None, :] >= n[:, None]
-    state = undo.restore(state, b_saved, b_index, rejected)
-    lg, XM, mstate = mtp(mstate, XB, g, jnp.where(rejected, -1, pos), all_logits=False)
-    mstate = undo.restore(mstate, m_saved, m_index, rejected)
-    a_ix = jnp.clip(a, 0, k)
-    hm = jnp.take_along_axis(XM, a_ix[:, None, None, None], axis=1)[:, 0]
-    emitted = jnp.where(offs[None, :] < n[:, None], g, -1)
-    count = count + n
-    done = done | (first_stop < n) | (count >= max_new)
-    nxt = jnp.take_along_axis(g, a_ix[:, None], axis=1)[:, 0]
-    carry = Carry(jnp.where(live, nxt, x), jnp.where(live, p + a + 1, p), jnp.where(live[:, None], lg, mlogits),
-                  jnp.where(live[:, None, None], hm, carry.hm), count, done)
-    return state, mstate, carry, emitted, jnp.where(live, a, -1)
-
-
-def iterations(params, state, mstate, carry, sb, stops, max_new, *, n, k, config, plan, numerics, greedy=False):
-    """n iterations as one scan: (state, mstate, carry, emitted int32 [n, B, k+1], accepted int32 [n, B])."""
-    step = functools.partial(iteration, k=k, config=config, plan=plan, numerics=numerics, greedy=greedy)
-
-    def body(c, _):
-        state, mstate, carry = c
-        state, mstate, carry, emitted, a = step(params, state, mstate, carry, sb, stops, max_new)
-        return (state, mstate, carry), (emitted, a)
-
-    (state, mstate, carry), (emitted, a) = jax.lax.scan(body, (state, mstate, carry), None, length=n)
-    return state, mstate, carry, emitted, a
-
+    if model.host_embed is not None or model.layout is not None:
+        raise ValueError("MTP speculative decoding runs on one device with the embedding on it so far (not with "
+                         "host embedding or a mesh)")
 
 def _key(model: Model) -> tuple:
     return (model.config, model.plan, model.numerics)
 
 
-def prefill_program(model: Model, greedy: bool):
-    kw = dict(config=model.config, plan=model.plan, numerics=model.numerics, greedy=greedy)
-    return PROGRAMS.get(("mtp_prefill", greedy) + _key(model),
-                        lambda: jax.jit(functools.partial(prefill_chunk, **kw), donate_argnums=(1, 2)))
+class ScanPrograms:
+    """The scan compile mode's programs: prefill(params, state, mstate, tokens, positions, next_tokens, sb) ->
+    (first, mlogits, hm, state, mstate) as one program, iterations(n)(params, state, mstate, carry, sb, stops,
+    max_new) -> (state, mstate, carry, emitted [n, B, k+1], accepted [n, B]) as one program per n."""
+
+    def __init__(self, model: Model, k: int, greedy: bool):
+        self.k, self.kw = k, dict(config=model.config, plan=model.plan, numerics=model.numerics, greedy=greedy)
+        self.prefill = PROGRAMS.get(("mtp_prefill", greedy) + _key(model),
+                                    lambda: jax.jit(functools.partial(prefill_chunk, **self.kw),
+                                                    donate_argnums=(1, 2)))
+
+    def iterations(self, n: int) -> Callable:
+        return PROGRAMS.get(("mtp_iterations", self.k, n) + tuple(sorted(self.kw.items())),
+                            lambda: jax.jit(functools.partial(iterations, n=n, k=self.k, **self.kw),
+                                            donate_argnums=(1, 2, 3)))
 
 
-def iterations_program(model: Model, k: int, n: int, greedy: bool):
-    kw = dict(config=model.config, plan=model.plan, numerics=model.numerics, greedy=greedy)
-    return PROGRAMS.get(("mtp_iterations", k, n) + tuple(sorted(kw.items())),
-                        lambda: jax.jit(functools.partial(iterations, n=n, k=k, **kw), donate_argnums=(1, 2, 3)))
+class RegionsPrograms:
+    """The regions compile mode's programs, called as ScanPrograms' are: a prefill chunk is the regions step (its
+    final streams too) and the MTP half (mtp_iteration.prefill_tail, one program); an iteration is the draft program,
+    the regions step over the k + 1 verified positions (all logits and the final streams) and the finish program,
+    n of them dispatched one after another without a host read. The MTP programs take only the parameters the MTP
+    block reads (mtp_iteration.mtp_params)."""
+
+    def __init__(self, model: Model, k: int, greedy: bool):
+        c, plan, nu = _key(model)
+        kw = dict(config=c, plan=plan, numerics=nu, greedy=greedy)
+        key = tuple(sorted(kw.items()))
+        self.backbone = regions_step(c, plan, nu, False, layout=model.layout, hidden=True)
+        self.verify = regions_step(c, plan, nu, True, layout=model.layout, hidden=True)
+        self.tail = PROGRAMS.get(("mtp_prefill_tail",) + key,
+                                 lambda: jax.jit(functools.partial(prefill_tail, **kw), donate_argnums=(1,)))
+        self.draft = PROGRAMS.get(("mtp_draft", k) + key,
+                                  lambda: jax.jit(functools.partial(draft, k=k, **kw), donate_argnums=(2,)))
+        self.finish = PROGRAMS.get(("mtp_finish", k) + key,
+                                   lambda: jax.jit(functools.partial(finish, k=k, **kw), donate_argnums=(1, 2)))
+
+    def prefill(self, params, state, mstate, tokens, positions, next_tokens, sb):
+        (logits, X), state = self.backbone(params, state, tokens, positions)
+        first, mlogits, hm, mstate = self.tail(mtp_params(params), mstate, logits, X, positions, next_tokens, sb)
+        return first, mlogits, hm, state, mstate
+
+    def iteration(self, params, state, mstate, carry, sb, stops, max_new):
+        mstate, dr = self.draft(mtp_params(params), state, mstate, carry, sb)
+        (logits, XB), state = self.verify(params, state, dr.tokens, dr.pos)
+        return self.finish(mtp_params(params), state, mstate, carry, dr, logits, XB, sb, stops, max_new)
+
+    def iterations(self, n: int) -> Callable:
+        def run(params, state, mstate, carry, sb, stops, max_new):
+            emitted, accepted = [], []
+            for _ in range(n):
+                state, mstate, carry, e, a = self.iteration(params, state, mstate, carry, sb, stops, max_new)
+                emitted.append(e)
+                accepted.append(a)
+            return state, mstate, carry, jnp.stack(emitted), jnp.stack(accepted)
+        return run
+
+
+def programs(model: Model, k: int, greedy: bool) -> ScanPrograms | RegionsPrograms:
+    """The prefill and iteration programs of the model's compile mode (the one place that chooses)."""
+    return (RegionsPrograms if model.compile_mode == "regions" else ScanPrograms)(model, k, greedy)
 
 
 class SpecStats:
@@ -268,7 +197,7 @@ def run(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_size: i
     for b, s in enumerate(stop_ids):
         stops[b, :len(s)] = s
     greedy = all(s.temperature == 0 for s in sampling)
-    prefill = prefill_program(model, greedy)
+    progs = programs(model, k, greedy)
     first = mlogits = hm = None
     for start in range(0, int(lens.max()), prefill_chunk_size):
         S = length_bucket(min(prefill_chunk_size, int(lens.max()) - start))
@@ -280,7 +209,7 @@ def run(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_size: i
             toks[b, :n] = prompts[b][start:start + n]
             pos[b, :n] = np.arange(start, start + n)
             nxt[b, :n] = np.concatenate([prompts[b][start + 1:start + n + 1], [-1]])[:n] if n else []
-        f, ml, h, state, mstate = prefill(model.params, state, mstate, toks, pos, nxt, sb)
+        f, ml, h, state, mstate = progs.prefill(model.params, state, mstate, toks, pos, nxt, sb)
         ends = jnp.asarray((lens > start) & (lens <= start + S))
         pick = lambda new, old: new if old is None else jnp.where(ends.reshape((-1,) + (1,) * (new.ndim - 1)), new,
                                                                   old)
@@ -298,7 +227,7 @@ def run(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_size: i
     stops, max_new_d = jnp.asarray(stops), jnp.asarray(max_new)
     while not done.all():
         n = block_length(stats, done, max_new, count, block_iterations)
-        state, mstate, carry, emitted, a = iterations_program(model, k, n, greedy)(
+        state, mstate, carry, emitted, a = progs.iterations(n)(
             model.params, state, mstate, carry, sb, stops, max_new_d)
         emitted, a = np.asarray(emitted), np.asarray(a)
         carry, done = take_block(emitted, a, out, count, stats, carry, on_block, B)

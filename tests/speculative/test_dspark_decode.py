@@ -108,11 +108,12 @@ def _assert_plain_replay(model, final, prompts, tokens, max_new, k):
     for b, p in enumerate(prompts):
         toks[b, :len(p)], pos[b, :len(p)] = p, np.arange(len(p))
     chunks = [(toks, pos)]
-    for t in range(min(len(p) for p in prompts), max(len(s) for s in seqs)):
+    for j in range(max(len(s) - len(p) for s, p in zip(seqs, prompts))):      # then one token per row and step
         toks = np.zeros((rows, 1), np.int32)
         pos = np.full((rows, 1), -1, np.int32)
         for b, s in enumerate(seqs):
-            if len(prompts[b]) <= t < len(s):
+            t = len(prompts[b]) + j
+            if t < len(s):
                 toks[b, 0], pos[b, 0] = s[t], t
         chunks.append((toks, pos))
     for toks, pos in chunks:

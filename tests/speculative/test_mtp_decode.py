@@ -215,3 +215,19 @@ def test_sampled_speculation_has_the_target_distribution(models):
     assert all(c in joint for c in seen), "a token outside the top 3 was emitted"
     counts = np.array([seen.count(c) for c in cells])
     assert _chi2_pvalue(counts, np.array([joint[c] for c in cells])) > 1e-3
+
+
+def test_regions_mode_speculation_equals_the_scan_mode(models):
+    """The regions compile mode (the draft and finish programs around the regions step, as on Neuron): k = 2, greedy
+    and sampled requests in one batch, the same tokens and the same state at the end as the scan mode."""
+    scan = models[False]
+    regions = jdeep.load(DEMO, mtp=True, quantize_activations=False, compile_mode="regions")
+    prompts = _prompts(scan)
+    sp = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=9, temperature=0.9, top_k=20, seed=5),
+          SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=5)]
+    runs = [mtp_decode.run(m, prompts, sp, [()] * len(prompts), k=2, block_iterations=4) for m in (scan, regions)]
+    (tok_s, stats_s, state_s), (tok_r, stats_r, state_r) = runs
+    np.testing.assert_array_equal(tok_r, tok_s)
+    assert stats_r == stats_s and stats_s["accepted"] > 0
+    for a, b in zip(jax.tree_util.tree_leaves(state_s), jax.tree_util.tree_leaves(state_r)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)

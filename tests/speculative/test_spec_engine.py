@@ -86,3 +86,15 @@ def test_server_with_speculative_config(model):
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
         r = client.completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0)
     assert r.choices[0].text == model.tokenizer.decode(want)
+
+
+def test_regions_mode_engine_gives_the_plain_engines_tokens(model):
+    """The regions compile mode (draft program, regions step over the slot window, finish program; as on Neuron):
+    the same greedy tokens as the plain engine, with requests joining and leaving."""
+    requests = _requests(model)[:5]
+    plain = _serve(Engine(model, **ENGINE), requests)
+    regions = jdeep.load(DEMO, mtp=True, quantize_activations=False, compile_mode="regions")
+    eng = SpeculativeEngine(regions, SPEC, **ENGINE)
+    spec = _serve(eng, requests)
+    assert [o.tokens for o in spec] == [o.tokens for o in plain]
+    assert eng.spec_stats.as_dict()["accepted"] > 0

@@ -120,23 +120,31 @@ def test_preset_every_serving_bucket(name, mode):
     assert n and not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("name", ["v4-flash"])
-def test_speculative_programs_pass_at_serving_batch_sizes(name):
-    """The MTP speculative-decoding programs of a released preset (k = 3: the iteration drafts, verifies 4 positions,
-    restores the rejected ones' cache entries and catches the MTP block up; the prefill chunk with the MTP block) at
-    batch 64 (tokens x top-k above the expert count; `jdeep check-graph --speculative-tokens` checks every bucket): the greedy variants pass every rule; the sampled ones
-    every rule but those the threefry PRNG breaks (S10 64-bit counters, S13 its bits-to-float bitcast, S18), which
-    Neuron leaves to the host sampler as plain decoding does."""
+@pytest.mark.parametrize("mode", ["scan", "regions"])
+def test_speculative_programs_pass_at_serving_batch_sizes(mode):
+    """V4-Flash's MTP speculative-decoding programs (k = 3: the iteration drafts, verifies 4 positions, restores the
+    rejected ones' cache entries and catches the MTP block up; the prefill chunk with the MTP block) at batch 64
+    (tokens x top-k above the expert count; `jdeep check-graph --speculative-tokens` checks every bucket), in both
+    compile modes (regions: the draft and finish programs, the MTP half of the prefill, the region programs of the
+    verify and prefill steps): the greedy variants pass every rule; the sampled ones every rule but those the
+    threefry PRNG breaks (S10 64-bit counters, S13 its bits-to-float bitcast, S18), which Neuron leaves to the host
+    sampler as plain decoding does."""
     from jdeep.tools.spec_programs import speculative_programs
 
+    name = "v4-flash"
     config = preset(name)
-    target = Target.for_config(config, ml_dtypes.bfloat16, "scan", fp8_max=240.0, packed_params=True)
+    target = Target.for_config(config, ml_dtypes.bfloat16, mode, fp8_max=240.0, packed_params=mode == "scan")
     failures = []
     programs = speculative_programs(target, (64,), 3, (16,), 1024)
-    assert len(programs) == 4
+    names = {p.name for p in programs}
+    if mode == "scan":
+        assert len(programs) == 4
+    else:
+        assert {f"b64.spec3.{part}.{v}" for part in ("draft", "finish") for v in ("greedy", "sampled")} <= names
+        assert {"b64.spec.prefill16.head", "b64.spec3.verify.head"} <= names
     for prog in programs:
         prng = {"S10", "S13", "S18"} if prog.name.endswith("sampled") else set()
-        rules = set(RULES) - _skipped(name, "scan", prog.bucket) - prng
+        rules = set(RULES) - _skipped(name, mode, prog.bucket) - prng
         report = check_lowered(prog.lower(), name=prog.name, n_experts=config.n_routed_experts,
                                decode=prog.bucket["step"] == "decode", rules=rules)
         failures += [] if report.ok else [report.format()]
