@@ -53,6 +53,21 @@ def compare(folder: str, meshes: list[str], forward_on: tuple[str, ...] = (), ge
     return out
 
 
+def speculative(mesh: str) -> dict:
+    """MTP speculative decoding (k = 2, the demo model with its MTP block, float numerics) on the mesh vs one device:
+    a ragged batch with a sampled row beside greedy ones."""
+    from jdeep import SamplingParams
+
+    demo = os.path.join(os.path.dirname(jdeep.__file__), "demo_model")
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    sp = [SamplingParams(max_new_tokens=10), SamplingParams(max_new_tokens=8, temperature=0.9, seed=3),
+          SamplingParams(max_new_tokens=10)]
+    prompts = [p + [11, 12] for p in PROMPTS] + [[40, 41, 42]]
+    runs = [jdeep.generate(jdeep.load(demo, mtp=True, quantize_activations=False, mesh=m), prompts, sampling=sp,
+                           ignore_eos=True, speculative=spec).tokens for m in (None, mesh)]
+    return {"tokens_equal": bool((runs[0] == runs[1]).all()), "tokens": runs[1].tolist()}
+
+
 def _local_ops(folder: str, mesh: str) -> dict:
     """The routed-expert kernel each expert shard runs, for this run's prefill and decode token counts."""
     from jdeep.config import ModelConfig
@@ -140,6 +155,7 @@ def main() -> None:
     result["padded"] = compare(odd, ["expert=4,data=2"], forward_on=("expert=4,data=2",), regions=True)
     result["local_ops"] = {name: _local_ops(path, mesh) for name, path, mesh in (
         ("v4-tiny-hf", hf, "data=2,expert=4"), ("padded", odd, "expert=4,data=2"))}
+    result["speculative"] = speculative("data=2,expert=4")
     if slow:
         result["v41-tiny-q"] = compare(os.path.join(golden, "v41-tiny-q"), ["tensor=2,expert=4"])
     with open(out_path, "w") as f:

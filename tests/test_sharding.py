@@ -142,6 +142,12 @@ def test_experts_padded_to_the_expert_axis(mesh_runs):
     assert mesh_runs["local_ops"]["v4-tiny-hf"] == {"prefill": "moe_experts_dense", "decode": "moe_experts_dense"}
 
 
+def test_speculative_decoding_on_the_mesh(mesh_runs):
+    """MTP speculation (k = 2) over data=2 x expert=4: the single-device tokens, greedy and sampled rows alike."""
+    r = mesh_runs["speculative"]
+    assert r["tokens_equal"], r
+
+
 def test_lowered_expert_parallel_program(mesh_runs):
     """data=2 x expert=4: the MoE of each of the 4 layers is one shard_map; decode at B=1 (fewer tokens than
     expert shards) all-reduces, B=8 decode and prefill reduce-scatter then all-gather; no dynamic shapes."""

@@ -20,14 +20,13 @@ import numpy as np
 from ..model.cache import PROGRAMS
 from ..model.model import Model
 from ..model.regions import regions_step
-from ..model.mtp import init_mtp_state
 from ..runtime.engine import Engine, RequestOutput
 from ..runtime.sampling import INT32_MAX, SamplingParams
 from ..runtime.scheduler import Iteration
 from ..runtime.steps import length_bucket, pack_chunk
 from ..state import move_slot, put_slot_window, slot_window
 from .config import parse_speculative
-from .mtp_decode import SpecStats, check_mtp_model
+from .mtp_decode import SpecStats, check_mtp_model, new_mtp_state
 from .mtp_iteration import Carry, draft, finish, iteration, mtp_params, prefill_chunk, prefill_tail
 
 __all__ = ["SpeculativeEngine", "make_engine"]
@@ -42,7 +41,7 @@ def _put_rows(a: jax.Array, b: jax.Array, start) -> jax.Array:
 
 
 def _decode_window(params, state, mstate, mlogits, hm, x, p, count, live, sb, start, *, rows, k, greedy, config,
-                   plan, numerics):
+                   plan, numerics, layout=None):
     """One speculative iteration over slots [start, start + rows): x, p, count int32 [rows], live bool [rows], sb the
     window's sampling rows (greedy: all of them greedy, mtp_decode.iteration's variant). Returns (state, mstate, mlogits, hm, emitted int32 [rows, k+1], accepted int32 [rows])."""
     start = jnp.clip(start, 0, mlogits.shape[0] - rows)
@@ -51,20 +50,20 @@ def _decode_window(params, state, mstate, mlogits, hm, x, p, count, live, sb, st
     max_new = jnp.full((rows,), INT32_MAX, jnp.int32)
     sw, mw, carry, emitted, a = iteration(params, slot_window(state, rows, start), slot_window(mstate, rows, start),
                                           carry, sb, stops, max_new, k=k, config=config, plan=plan, numerics=numerics,
-                                          greedy=greedy)
+                                          greedy=greedy, layout=layout)
     return (put_slot_window(state, sw, start), put_slot_window(mstate, mw, start),
             _put_rows(mlogits, carry.mlogits, start), _put_rows(hm, carry.hm, start), emitted, a)
 
 
 def _prefill_window(params, state, mstate, mlogits, hm, tokens, positions, next_tokens, ends, sb, start, *, rows,
-                    greedy, config, plan, numerics):
+                    greedy, config, plan, numerics, layout=None):
     """A prefill chunk (backbone and MTP block) over slots [start, start + rows); ends bool [rows]: the rows whose
     prompt ends in this chunk (their drafter carry is set). Returns (state, mstate, mlogits, hm, first token int32
     [rows])."""
     start = jnp.clip(start, 0, mlogits.shape[0] - rows)
     first, ml, h, sw, mw = prefill_chunk(params, slot_window(state, rows, start), slot_window(mstate, rows, start),
                                          tokens, positions, next_tokens, sb, config=config, plan=plan,
-                                         numerics=numerics, greedy=greedy)
+                                         numerics=numerics, greedy=greedy, layout=layout)
     ml = jnp.where(ends[:, None], ml, _rows_of(mlogits, rows, start))
     h = jnp.where(ends[:, None, None], h, _rows_of(hm, rows, start))
     return (put_slot_window(state, sw, start), put_slot_window(mstate, mw, start), _put_rows(mlogits, ml, start),
@@ -143,10 +142,11 @@ class SpeculativeEngine(Engine):
 
     def _alloc_mtp(self) -> None:
         m = self.model
-        self.mstate = init_mtp_state(m.config, m.plan, self.n_slots, self._cache_len(), m.dtype, m.numerics)
+        self.mstate = new_mtp_state(m, self.n_slots, self._cache_len())
         n, d = m.config.hc_mult, m.config.dim
-        self.mlogits, self.hm = jax.device_put((np.zeros((self.n_slots, m.config.vocab_size), np.float32),
-                                                np.zeros((self.n_slots, n, d), m.dtype)), jax.devices()[0])
+        carry = (np.zeros((self.n_slots, m.config.vocab_size), np.float32), np.zeros((self.n_slots, n, d), m.dtype))
+        self.mlogits, self.hm = (jax.device_put(carry, jax.devices()[0]) if m.layout is None else
+                                 m.layout.put_tree(carry))
 
     def reset(self) -> None:
         super().reset()
@@ -171,7 +171,7 @@ class SpeculativeEngine(Engine):
         accepted): one program in the scan compile mode; in the regions mode the draft program, the regions step over
         the window's k + 1 positions and the finish program."""
         if self.model.compile_mode != "regions":
-            return self._program(_decode_window, rows, k=self.k, greedy=greedy)
+            return self._program(_decode_window, rows, k=self.k, greedy=greedy, layout=self.model.layout)
         m = self.model
         draft_p = self._program(_draft_window, rows, donate=(2,), k=self.k, greedy=greedy)   # state: read
         finish_p = self._program(_finish_window, rows, k=self.k, greedy=greedy)
@@ -188,7 +188,7 @@ class SpeculativeEngine(Engine):
         """(params, state, mstate, mlogits, hm, tokens, positions, next_tokens, ends, sb, start) -> (state, mstate,
         mlogits, hm, first): one program in the scan mode; the regions step and the MTP half in the regions mode."""
         if self.model.compile_mode != "regions":
-            return self._program(_prefill_window, rows, greedy=greedy)
+            return self._program(_prefill_window, rows, greedy=greedy, layout=self.model.layout)
         m = self.model
         tail = PROGRAMS.get(("_tail_window", rows, greedy, m.config, m.plan, m.numerics), lambda: jax.jit(
             functools.partial(_tail_window, rows=rows, greedy=greedy, config=m.config, plan=m.plan,

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from ..model.model import Model
-from ..model.mtp import init_mtp_state
+from ..model.mtp import empty_mtp_state, init_mtp_state
 from ..model.regions import regions_step
 from ..runtime.sampling import SamplingParams, batch_params
 from ..runtime.steps import batch_bucket, length_bucket
@@ -37,9 +37,18 @@ def check_mtp_model(model: Model) -> None:
     if model.plan.mtp is None:
         raise ValueError("speculative decoding with method 'mtp' needs the checkpoint's MTP block loaded: "
                          "jdeep.load(path, mtp=True) (a checkpoint without mtp.* weights has none)")
-    if model.host_embed is not None or model.layout is not None:
-        raise ValueError("MTP speculative decoding runs on one device with the embedding on it so far (not with "
-                         "host embedding or a mesh)")
+    if model.host_embed is not None:
+        raise ValueError("MTP speculative decoding needs the embedding on the device (the MTP block embeds the "
+                         "drafts): load without host_embedding")
+
+
+def new_mtp_state(model: Model, batch: int, max_len: int) -> dict:
+    """The MTP blocks' empty window state for `batch` sequences, on the device or, on a mesh, sharded by sequence
+    slot like the backbone's state."""
+    if model.layout is None:
+        return init_mtp_state(model.config, model.plan, batch, max_len, model.dtype, model.numerics)
+    empty = empty_mtp_state(model.config, model.plan, batch, max_len, model.dtype, model.numerics)
+    return jax.device_put(empty, model.layout.state_shardings(empty))
 
 def _key(model: Model) -> tuple:
     return (model.config, model.plan, model.numerics)
@@ -51,8 +60,9 @@ class ScanPrograms:
     max_new) -> (state, mstate, carry, emitted [n, B, k+1], accepted [n, B]) as one program per n."""
 
     def __init__(self, model: Model, k: int, greedy: bool):
-        self.k, self.kw = k, dict(config=model.config, plan=model.plan, numerics=model.numerics, greedy=greedy)
-        self.prefill = PROGRAMS.get(("mtp_prefill", greedy) + _key(model),
+        self.k, self.kw = k, dict(config=model.config, plan=model.plan, numerics=model.numerics, greedy=greedy,
+                                  layout=model.layout)
+        self.prefill = PROGRAMS.get(("mtp_prefill", greedy, model.layout) + _key(model),
                                     lambda: jax.jit(functools.partial(prefill_chunk, **self.kw),
                                                     donate_argnums=(1, 2)))
 
@@ -190,7 +200,7 @@ def run(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_size: i
     lens = np.array([len(p) for p in prompts] + [0] * (Bb - B))
     max_len = state_len([len(p) for p in prompts], max_new[:B], k)
     state = model.init_state(Bb, max_len)
-    mstate = init_mtp_state(model.config, model.plan, Bb, max_len, model.dtype, model.numerics)
+    mstate = new_mtp_state(model, Bb, max_len)
     sb = batch_params(list(sampling), Bb, default_seed=default_seed)
     width = max(1, max(len(s) for s in stop_ids))
     stops = np.full((Bb, width), -1, np.int32)

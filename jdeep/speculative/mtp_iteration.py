@@ -63,15 +63,15 @@ class Carry(NamedTuple):
     done: jax.Array
 
 def prefill_chunk(params, state, mstate, tokens, positions, next_tokens, sb, *, config, plan, numerics,
-                  greedy: bool = False):
+                  greedy: bool = False, layout=None):
     """A prompt chunk through the backbone, then the MTP block over the same positions (prefill_tail).
 
     tokens, positions int32 [B, S] (-1 = padding); next_tokens int32 [B, S]: the token at t + 1 where it is a prompt
     token, else -1. Returns (first token int32 [B], MTP logits at each row's last real position fp32 [B, V], MTP
     streams there [B, n, d], state, mstate); the first token and MTP outputs mean something only for rows whose
-    prompt ends in this chunk."""
+    prompt ends in this chunk. layout: the mesh's (sharding.Layout; None on one device), as model_step takes it."""
     logits, state, X = model_step(params, state, tokens, positions, config=config, plan=plan, numerics=numerics,
-                                  hidden=True)
+                                  hidden=True, layout=layout)
     first, mlogits, hm, mstate = prefill_tail(params, mstate, logits, X, positions, next_tokens, sb, config=config,
                                               plan=plan, numerics=numerics, greedy=greedy)
     return first, mlogits, hm, state, mstate
@@ -107,15 +107,16 @@ class Drafted(NamedTuple):
 
 
 def iteration(params, state, mstate, carry: Carry, sb: SamplingBatch, stops, max_new, *, k, config, plan, numerics,
-              greedy: bool = False):
+              greedy: bool = False, layout=None):
     """One draft-verify-restore-catch-up iteration (module docstring): draft, the backbone's verify step, finish.
     stops int32 [B, W] (-1 = unused), max_new int32 [B]. greedy: every row is greedy (a program variant that
-    compares argmaxes and builds no distributions; the same tokens). Returns (state, mstate, carry, emitted int32
-    [B, k+1] (-1 past what the row emits), accepted int32 [B] (-1 for rows that were done))."""
+    compares argmaxes and builds no distributions; the same tokens). layout: the mesh's, for the verify step (the
+    draft and finish are left to the partitioner). Returns (state, mstate, carry, emitted int32 [B, k+1] (-1 past
+    what the row emits), accepted int32 [B] (-1 for rows that were done))."""
     kw = dict(k=k, config=config, plan=plan, numerics=numerics, greedy=greedy)
     mstate, dr = draft(params, state, mstate, carry, sb, **kw)
     logits, state, XB = model_step(params, state, dr.tokens, dr.pos, config=config, plan=plan, numerics=numerics,
-                                   all_logits=True, hidden=True)
+                                   all_logits=True, hidden=True, layout=layout)
     return finish(params, state, mstate, carry, dr, logits, XB, sb, stops, max_new, **kw)
 
 
@@ -186,9 +187,11 @@ def finish(params, state, mstate, carry: Carry, dr: Drafted, logits, XB, sb: Sam
     return state, mstate, carry, emitted, jnp.where(live, a, -1)
 
 
-def iterations(params, state, mstate, carry, sb, stops, max_new, *, n, k, config, plan, numerics, greedy=False):
+def iterations(params, state, mstate, carry, sb, stops, max_new, *, n, k, config, plan, numerics, greedy=False,
+               layout=None):
     """n iterations as one scan: (state, mstate, carry, emitted int32 [n, B, k+1], accepted int32 [n, B])."""
-    step = functools.partial(iteration, k=k, config=config, plan=plan, numerics=numerics, greedy=greedy)
+    step = functools.partial(iteration, k=k, config=config, plan=plan, numerics=numerics, greedy=greedy,
+                             layout=layout)
 
     def body(c, _):
         state, mstate, carry = c
