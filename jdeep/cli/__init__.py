@@ -188,9 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     cg.add_argument("--max-prefill-tokens", type=int, default=SERVING_PREFILL_TOKENS,
                     help="the token budget of one prefill step (batch x chunk); larger prefill programs are not "
                          f"checked (default {SERVING_PREFILL_TOKENS})")
-    cg.add_argument("--speculative-tokens", type=int, metavar="K",
-                    help="also the MTP speculative-decoding programs for K drafts (scan mode, DeepSeek-V4 models): "
-                         "per batch bucket the prefill chunks with the MTP block and the iteration (greedy, sampled)")
+    _speculative_tokens_arg(cg)
     cg.add_argument("--verbose", "-v", action="store_true", help="print every program's report")
     cg.set_defaults(fn=cmd_check_graph)
 
@@ -198,9 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
                                       "compiles for a model, with a JSON manifest")
     add_graph_args(e)
     e.add_argument("--out", required=True)
+    _speculative_tokens_arg(e)
     e.set_defaults(fn=cmd_export)
     return p
 
+
+def _speculative_tokens_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-tokens", type=int, metavar="K",
+                   help="also the MTP speculative-decoding programs for K drafts (DeepSeek-V4 models; both compile "
+                        "modes): per batch bucket the prefill chunks with the MTP block and the iteration (greedy, "
+                        "sampled; in the regions mode its draft and finish programs and the region programs)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -434,6 +434,9 @@ def cmd_check_graph(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     target = _graph_target(args)
     programs = model_programs(target, batch_sizes(args.batch_sizes), args.prefill_len, args.max_len)
+    if args.speculative_tokens is not None:
+        programs += speculative_programs(target, batch_sizes(args.batch_sizes), args.speculative_tokens,
+                                         (args.prefill_len,), args.max_len)
     manifest = export_programs(programs, args.out, model_info(target))
     print(f"wrote {len(manifest['programs'])} programs and manifest.json to {args.out}")
     return 0

@@ -5,6 +5,7 @@ path's results."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -118,3 +119,31 @@ def test_model_programs_match_a_loaded_model():
     report = check_lowered(prog.lower(), name=prog.name, n_experts=model.config.n_routed_experts, decode=True,
                            limits=Limits())
     assert report.ok, report.format()
+
+
+def test_export_with_speculative_programs_takes_the_live_argument_trees(tmp_path):
+    """`jdeep export --speculative-tokens 1` (the demo model's config, with its MTP block) writes the MTP prefill and
+    iteration programs beside the plain ones; the exported greedy iteration takes exactly the leaves of the live
+    iteration's arguments (the loaded model's packed params, state, MTP state, carry, sampling rows, stops)."""
+    from jdeep.runtime.sampling import batch_params
+    from jdeep.speculative.mtp_decode import new_mtp_state
+    from jdeep.speculative.mtp_iteration import Carry
+
+    demo = pathlib.Path(jdeep.__file__).parent / "demo_model"
+    out = tmp_path / "export"
+    assert main(["export", "--model", str(demo), "--out", str(out), "--mode", "scan", "--batch-sizes", "1",
+                 "--prefill-len", "16", "--max-len", "64", "--dtype", "float32", "--speculative-tokens", "1"]) == 0
+    manifest, exported = load_exported(str(out))
+    names = [p["name"] for p in manifest["programs"]]
+    assert names == ["b1.prefill", "b1.decode", "b1.spec.prefill16.greedy", "b1.spec.prefill16.sampled",
+                     "b1.spec1.iteration.greedy", "b1.spec1.iteration.sampled"]
+    model = jdeep.load(demo, mtp=True, pack_params=True, quantize_activations=False)
+    c, z = model.config, np.zeros(1, np.int32)
+    carry = Carry(z, z, np.zeros((1, c.vocab_size), np.float32), np.zeros((1, c.hc_mult, c.dim), np.float32), z,
+                  np.zeros(1, bool))
+    args = (model.params, model.init_state(1, 64), new_mtp_state(model, 1, 64), carry,
+            batch_params([jdeep.SamplingParams()], 1), np.full((1, 1), -1, np.int32), z)
+    leaves = jax.tree_util.tree_leaves(args)
+    avals = exported["b1.spec1.iteration.greedy"].in_avals
+    assert [(a.shape, a.dtype) for a in avals] == [(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype")
+                                                   else x.dtype) for x in leaves]
