@@ -14,7 +14,7 @@ from .mhc import hc_collapse, hc_head_collapse
 from .norm import rms_norm
 from .shared_attention import empty_published
 
-__all__ = ["embed_streams", "require_engram", "last_token", "head_logits", "head_keys", "head_matmul"]
+__all__ = ["embed_streams", "require_engram", "last_token", "head_logits", "head_keys", "head_matmul", "argmax_ids"]
 
 
 def require_engram(plan: LayerPlan, engram: tuple | None) -> None:
@@ -69,6 +69,12 @@ def head_logits(p: dict, streams: Streams, positions: jax.Array, *, config: Mode
         h = hc_head_collapse(X, p["hc_head_fn"], p["hc_head_base"], p["hc_head_scale"], norm_eps=config.norm_eps,
                              hc_eps=config.hc_eps)
     return head_matmul(rms_norm(h, p["norm"], config.norm_eps), p["head"])
+
+
+def argmax_ids(x: jax.Array) -> jax.Array:
+    """The argmax over the last axis as int32, lowest index on ties (lax.top_k, as plain greedy decoding picks;
+    Neuron's compiler takes no variadic argmax reduction, S8)."""
+    return jax.lax.top_k(x, 1)[1][..., 0].astype(jnp.int32)
 
 
 def head_matmul(h: jax.Array, head: jax.Array) -> jax.Array:

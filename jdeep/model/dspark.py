@@ -35,7 +35,7 @@ from ..kernels.linear import linear_f32
 from ..layers.attention import output_projection, write_window
 from ..layers.block import Streams, ffn_half
 from ..layers.chunk import Chunk, make_chunk
-from ..layers.head import head_matmul
+from ..layers.head import argmax_ids, head_matmul
 from ..layers.linear import dense
 from ..layers.mhc import hc_collapse, hc_expand, hc_mixes
 from ..layers.norm import rms_norm
@@ -53,7 +53,7 @@ Choice = Callable[[jax.Array, jax.Array], jax.Array]
 
 def greedy_choice(logits: jax.Array, j: jax.Array) -> jax.Array:
     """The argmax (ties to the lower id), DeepSeek's temperature-0 choice."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return argmax_ids(logits)
 
 
 def _require(params: dict, plan: LayerPlan) -> None:
@@ -157,7 +157,7 @@ def markov_draft(p: dict, logits: jax.Array, anchor: jax.Array, choose: Choice =
     in the weights' dtype)."""
     def step(prev, xs):
         row, j = xs
-        e = p["markov_embed"][prev]                                                   # [B, r]
+        e = p["markov_embed"][jnp.clip(prev, 0, p["markov_embed"].shape[0] - 1)]     # [B, r] (S12: clamped ids)
         row = row + head_matmul(e, p["markov_head"])
         nxt = choose(row, j)
         return nxt, (nxt, row, e)

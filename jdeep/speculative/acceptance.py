@@ -20,17 +20,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..layers.head import argmax_ids
 from ..runtime.sampling import SamplingBatch, filtered_logits
 
 __all__ = ["distribution", "draw", "accept", "accept_greedy", "uniform", "argmax_ids"]
 
 _Q_FLOOR = 1e-8
-
-
-def argmax_ids(x: jax.Array) -> jax.Array:
-    """The argmax over the last axis as int32, lowest index on ties (lax.top_k, as plain greedy decoding picks;
-    Neuron's compiler takes no variadic argmax reduction)."""
-    return jax.lax.top_k(x, 1)[1][..., 0].astype(jnp.int32)
 
 
 def _rows(sb: SamplingBatch, k: int) -> SamplingBatch:

@@ -44,7 +44,7 @@ from ..model.scan import model_step
 from ..runtime.sampling import SamplingBatch, SamplingParams, batch_params, sample
 from ..runtime.steps import batch_bucket, length_bucket
 from . import undo
-from .acceptance import accept, accept_greedy, distribution, draw
+from .acceptance import accept, accept_greedy, argmax_ids, distribution, draw
 from .mtp_decode import SpecStats, block_length, state_len, take_block
 
 __all__ = ["Carry", "Final", "check_dspark_model", "check_k", "dspark_generate", "run", "run_full", "prefill_chunk",
@@ -108,14 +108,16 @@ def ring_entries(state: dict) -> int:
     return min(sizes)
 
 
-def prefill_chunk(params, state, dstate, tokens, positions, engram, sb, *, config, plan, numerics):
+def prefill_chunk(params, state, dstate, tokens, positions, engram, sb, *, config, plan, numerics,
+                  greedy: bool = False):
     """A prompt chunk through the target with the DSpark taps, then every position into the drafter's windows.
     tokens, positions int32 [B, S] (-1 = padding). Returns (first token int32 [B], drawn from the logits at each
     row's last real position exactly as plain decoding draws it (runtime/sampling.sample, step 0), state, dstate);
-    the first token means something only for rows whose prompt ends in this chunk."""
+    the first token means something only for rows whose prompt ends in this chunk. greedy: every row is greedy (the
+    argmax without the sampler's noise: the same token, and no PRNG in the program)."""
     logits, state, taps = model_step(params, state, tokens, positions, engram, config=config, plan=plan,
                                      numerics=numerics, taps=True)
-    first = sample(logits, sb, jnp.zeros(tokens.shape[:1], jnp.int32))
+    first = argmax_ids(logits) if greedy else sample(logits, sb, jnp.zeros(tokens.shape[:1], jnp.int32))
     dstate = dspark_append(params, dstate, taps, positions, config=config, plan=plan, numerics=numerics)
     return first, state, dstate
 
@@ -142,7 +144,7 @@ def verify(params, state, dstate, carry: Carry, drafts, q, sb: SamplingBatch, st
     rows that were done), kept int32 [B] (positions p .. p+kept-1 entered the state: 0 for done rows))."""
     x, p, count, done = carry
     live = ~done
-    drafts = drafts[:, :k]
+    drafts = jnp.clip(drafts[:, :k], 0, config.vocab_size - 1)       # (indices from an input: Neuron's S12)
     offs = jnp.arange(k + 1, dtype=jnp.int32)
     pos = jnp.where(live[:, None], p[:, None] + offs[None, :], -1)                     # [B, k+1]
     tokens = jnp.concatenate([x[:, None], drafts], axis=1)                             # [B, k+1]
@@ -176,7 +178,7 @@ def verify(params, state, dstate, carry: Carry, drafts, q, sb: SamplingBatch, st
     emitted = jnp.where(offs[None, :] < n[:, None], g, -1)
     count = count + n
     done = done | (first_stop < n) | (count >= max_new)
-    nxt = jnp.take_along_axis(g, a[:, None], axis=1)[:, 0]
+    nxt = jnp.take_along_axis(g, jnp.clip(a, 0, k)[:, None], axis=1)[:, 0]          # (clamped index: S12)
     carry = Carry(jnp.where(live, nxt, x), jnp.where(live, p + a + 1, p), count, done)
     return state, dstate, carry, emitted, jnp.where(live, a, -1), n
 
@@ -209,9 +211,10 @@ def _key(model: Model) -> tuple:
     return (model.config, model.plan, model.numerics)
 
 
-def prefill_program(model: Model):
-    return PROGRAMS.get(("dspark_spec_prefill",) + _key(model),
-                        lambda: jax.jit(functools.partial(prefill_chunk, **_kw(model)), donate_argnums=(1, 2)))
+def prefill_program(model: Model, greedy: bool):
+    return PROGRAMS.get(("dspark_spec_prefill", greedy) + _key(model),
+                        lambda: jax.jit(functools.partial(prefill_chunk, greedy=greedy, **_kw(model)),
+                                        donate_argnums=(1, 2)))
 
 
 def draft_program(model: Model, greedy: bool):
@@ -277,7 +280,7 @@ def run_full(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_si
     stops = np.full((Bb, width), -1, np.int32)
     for b, s in enumerate(stop_ids):
         stops[b, :len(s)] = s
-    prefill = prefill_program(model)
+    prefill = prefill_program(model, all(s.temperature == 0 for s in sampling))
     first = None
     for start in range(0, int(lens.max()), prefill_chunk_size):
         S = length_bucket(min(prefill_chunk_size, int(lens.max()) - start))

@@ -23,6 +23,7 @@ from ..model.cache import ProgramCache
 from ..model.regions import regions_step
 from ..speculative.mtp_iteration import Carry, draft, finish, iteration, mtp_params, prefill_chunk, prefill_tail
 from ..state import init_state
+from .dspark_programs import dspark_programs
 from .programs import Program, Target
 
 __all__ = ["speculative_programs"]
@@ -40,8 +41,11 @@ def _variant(greedy: bool) -> str:
 def speculative_programs(t: Target, batch_sizes: Sequence[int], k: int, prefill_lens: Sequence[int],
                          max_len: int) -> list[Program]:
     """Programs "b{B}.spec.prefill{S}.{greedy|sampled}" and "b{B}.spec{k}.iteration.{greedy|sampled}" for a V4 model
-    with MTP (params packed in arenas when the target packs them, as on Neuron)."""
+    with MTP (params packed in arenas when the target packs them, as on Neuron); for a V4.1 model with the DSpark
+    drafter, tools/dspark_programs.py's."""
     c = t.config
+    if c.dspark is not None:
+        return dspark_programs(t, batch_sizes, k, prefill_lens, max_len)
     plan = build_plan(c, mtp=True)
     if plan.mtp is None:
         raise ValueError("speculative programs need a DeepSeek-V4 model with an MTP block")

@@ -16,6 +16,7 @@ import json
 import ml_dtypes
 import pytest
 
+from conftest import golden_path
 from jdeep.cli import build_parser, main
 from jdeep.model.cache import ProgramCache
 from jdeep.presets import PRESET_NAMES, TINY_CONFIG, preset
@@ -145,6 +146,33 @@ def test_speculative_programs_pass_at_serving_batch_sizes(mode):
     for prog in programs:
         prng = {"S10", "S13", "S18"} if prog.name.endswith("sampled") else set()
         rules = set(RULES) - _skipped(name, mode, prog.bucket) - prng
+        report = check_lowered(prog.lower(), name=prog.name, n_experts=config.n_routed_experts,
+                               decode=prog.bucket["step"] == "decode", rules=rules)
+        failures += [] if report.ok else [report.format()]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("name", ["v41-dspark-tiny", pytest.param("v41-flash", marks=pytest.mark.slow)])
+def test_dspark_programs_pass_at_serving_batch_size(name):
+    """DSpark speculative-decoding programs (scan mode, k = 3: the prefill chunk with the taps and the
+    window append, the draft block, the verify over 4 positions with the drafts' Engram rows): every rule but
+    V4.1-Flash's known scan-mode budgets (S4, S19) and, for the sampled variants, the threefry rules. The golden's
+    config (Engram, DSpark block 5) runs by default; V4.1-Flash's own (90 s of lowering) is slow."""
+    from jdeep.config import ModelConfig
+    from jdeep.tools.spec_programs import speculative_programs
+
+    config = preset(name) if name == "v41-flash" else ModelConfig.from_file(golden_path(name) / "config.json")
+    target = Target.for_config(config, ml_dtypes.bfloat16, "scan", fp8_max=240.0, packed_params=True)
+    B = 64 if name == "v41-flash" else 8      # the golden's: 8 x 4 tokens x top-k above its expert count too
+    assert B * 4 * config.n_activated_experts > config.n_routed_experts
+    programs = speculative_programs(target, (B,), 3, (16,), 1024)
+    assert sorted(p.name for p in programs) == sorted(
+        f"b{B}.{part}.{v}" for part in ("dspark.prefill16", "dspark.draft", "dspark3.verify")
+        for v in ("greedy", "sampled"))
+    failures = []
+    for prog in programs:
+        prng = {"S10", "S13", "S18"} if prog.name.endswith("sampled") else set()
+        rules = set(RULES) - _skipped(name, "scan", prog.bucket) - prng
         report = check_lowered(prog.lower(), name=prog.name, n_experts=config.n_routed_experts,
                                decode=prog.bucket["step"] == "decode", rules=rules)
         failures += [] if report.ok else [report.format()]
