@@ -56,24 +56,6 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ.pop("JDEEP_TEST_COMPILE_CACHE"), ignore_errors=True)
 
 
-# The test files that take longest (from `pytest --durations`), longest first. The xdist workers take whole files
-# in collection order (addopts: --dist loadfile --no-loadscope-reorder), so these start first and the run does not
-# end with one worker busy on a long file while the other idles.
-LONGEST_FILES = [
-    "tests/speculative/test_dspark_decode.py", "tests/speculative/test_mtp_decode.py", "tests/model/test_regions.py",
-    "tests/speculative/test_spec_engine.py", "tests/test_sharding.py", "tests/test_golden_v41_q.py",
-    "tests/test_cli.py", "tests/test_golden_v4_q.py", "tests/kernels/nki_kernels/test_nki_model.py",
-    "tests/tools/test_train.py", "tests/tools/test_programs.py", "tests/test_demo_model.py", "tests/test_v41.py",
-    "tests/speculative/test_dspark.py", "tests/tools/test_evaluate.py", "tests/test_golden_v4_hf.py",
-    "tests/test_quantized.py",
-]
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {f: i for i, f in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))     # stable: the rest in order
-
-
 def _keeps_holes(folder: pathlib.Path) -> bool:
     """Whether files in `folder` stay sparse: a 1 GiB file with one byte written at its end allocates < 1 MiB."""
     probe = folder / ".sparse-probe"
