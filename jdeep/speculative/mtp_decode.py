@@ -25,8 +25,8 @@ from ..runtime.sampling import SamplingParams, batch_params
 from ..runtime.steps import batch_bucket, length_bucket
 from .mtp_iteration import Carry, draft, finish, iteration, iterations, mtp_params, prefill_chunk, prefill_tail
 
-__all__ = ["Carry", "mtp_generate", "check_mtp_model", "prefill_chunk", "iteration", "iterations", "SpecStats",
-           "RegionsPrograms", "programs"]
+__all__ = ["Carry", "mtp_generate", "check_mtp_model", "new_mtp_state", "prefill_chunk", "iteration", "iterations",
+           "SpecStats", "ScanPrograms", "RegionsPrograms", "programs"]
 
 
 def check_mtp_model(model: Model) -> None:
@@ -49,6 +49,7 @@ def new_mtp_state(model: Model, batch: int, max_len: int) -> dict:
         return init_mtp_state(model.config, model.plan, batch, max_len, model.dtype, model.numerics)
     empty = empty_mtp_state(model.config, model.plan, batch, max_len, model.dtype, model.numerics)
     return jax.device_put(empty, model.layout.state_shardings(empty))
+
 
 def _key(model: Model) -> tuple:
     return (model.config, model.plan, model.numerics)

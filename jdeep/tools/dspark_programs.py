@@ -21,16 +21,10 @@ import jax.numpy as jnp
 
 from ..model.dspark import empty_dspark_state
 from ..plan import build_plan
-from ..runtime.sampling import SamplingBatch
 from ..speculative.dspark_decode import Carry, draft, iteration, prefill_chunk, verify
-from .programs import Program, Target, step_inputs
+from .programs import Program, Target, sampling_inputs, step_inputs
 
 __all__ = ["dspark_programs"]
-
-
-def _sampling(B: int) -> SamplingBatch:
-    f, i = jax.ShapeDtypeStruct((B,), jnp.float32), jax.ShapeDtypeStruct((B,), jnp.int32)
-    return SamplingBatch(f, i, f, f, jax.ShapeDtypeStruct((B, 2), jnp.uint32))
 
 
 def dspark_programs(t: Target, batch_sizes: Sequence[int], k: int, prefill_lens: Sequence[int],
@@ -48,7 +42,7 @@ def dspark_programs(t: Target, batch_sizes: Sequence[int], k: int, prefill_lens:
     out = []
     for B in batch_sizes:
         dstate = jax.eval_shape(lambda: empty_dspark_state(c, t.plan, B, max_len, t.dtype, t.numerics))
-        i32, sb = jax.ShapeDtypeStruct((B,), jnp.int32), _sampling(B)
+        i32, sb = jax.ShapeDtypeStruct((B,), jnp.int32), sampling_inputs(B)
         carry = Carry(i32, i32, i32, jax.ShapeDtypeStruct((B,), jnp.bool_))
         stops = jax.ShapeDtypeStruct((B, 1), jnp.int32)
         for S in prefill_lens:

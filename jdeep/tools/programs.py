@@ -26,11 +26,12 @@ from ..model.regions import regions_step
 from ..numerics import Numerics
 from ..param_spec import abstract_params
 from ..plan import LayerPlan, build_plan
+from ..runtime.sampling import SamplingBatch
 from ..runtime.steps import length_bucket
 from ..state import init_state
 
-__all__ = ["Target", "Program", "model_programs", "chunk_buckets", "SERVING_BATCH_SIZES", "SERVING_PREFILL_LEN",
-           "SERVING_PREFILL_TOKENS"]
+__all__ = ["Target", "Program", "model_programs", "chunk_buckets", "step_inputs", "sampling_inputs",
+           "SERVING_BATCH_SIZES", "SERVING_PREFILL_LEN", "SERVING_PREFILL_TOKENS"]
 
 SERVING_BATCH_SIZES: tuple[int, ...] = tuple(1 << i for i in range(9))    # 1, 2, 4, ..., 256 sequence slots
 SERVING_PREFILL_LEN = 8192                                                 # the longest prefill chunk
@@ -95,6 +96,12 @@ def step_inputs(t: Target, B: int, S: int, max_len: int) -> tuple:
                   jax.ShapeDtypeStruct(lead + (e.head_dim // 32,), jnp.uint8))
     embeds = jax.ShapeDtypeStruct((B, S, t.config.dim), t.dtype) if t.host_embedding else None
     return params, state, ids, ids, engram, embeds
+
+
+def sampling_inputs(B: int) -> SamplingBatch:
+    """Abstract per-row sampling parameters of B rows (what the speculative programs take)."""
+    f, i = jax.ShapeDtypeStruct((B,), jnp.float32), jax.ShapeDtypeStruct((B,), jnp.int32)
+    return SamplingBatch(f, i, f, f, jax.ShapeDtypeStruct((B, 2), jnp.uint32))
 
 
 def chunk_buckets(longest: int) -> tuple[int, ...]:

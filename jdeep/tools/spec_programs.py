@@ -18,20 +18,14 @@ from ..arenas import pack_params
 from ..model.mtp import empty_mtp_state
 from ..param_spec import abstract_params
 from ..plan import build_plan
-from ..runtime.sampling import SamplingBatch
 from ..model.cache import ProgramCache
 from ..model.regions import regions_step
 from ..speculative.mtp_iteration import Carry, draft, finish, iteration, mtp_params, prefill_chunk, prefill_tail
 from ..state import init_state
 from .dspark_programs import dspark_programs
-from .programs import Program, Target
+from .programs import Program, Target, sampling_inputs
 
 __all__ = ["speculative_programs"]
-
-
-def _sampling(B: int) -> SamplingBatch:
-    f, i = jax.ShapeDtypeStruct((B,), jnp.float32), jax.ShapeDtypeStruct((B,), jnp.int32)
-    return SamplingBatch(f, i, f, f, jax.ShapeDtypeStruct((B, 2), jnp.uint32))
 
 
 def _variant(greedy: bool) -> str:
@@ -58,7 +52,7 @@ def speculative_programs(t: Target, batch_sizes: Sequence[int], k: int, prefill_
         state = jax.eval_shape(lambda: init_state(c, plan, B, max_len, t.dtype, t.numerics))
         mstate = jax.eval_shape(lambda: empty_mtp_state(c, plan, B, max_len, t.dtype, t.numerics))
         i32 = jax.ShapeDtypeStruct((B,), jnp.int32)
-        sb = _sampling(B)
+        sb = sampling_inputs(B)
         carry = Carry(i32, i32, jax.ShapeDtypeStruct((B, c.vocab_size), jnp.float32),
                       jax.ShapeDtypeStruct((B, c.hc_mult, c.dim), t.dtype), i32,
                       jax.ShapeDtypeStruct((B,), jnp.bool_))
