@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from ..layers.head import argmax_ids
 from ..runtime.sampling import SamplingBatch, filtered_logits
 
-__all__ = ["distribution", "draw", "accept", "accept_greedy", "uniform", "argmax_ids"]
+__all__ = ["distribution", "draw", "accept", "accept_greedy", "uniform", "argmax_ids", "emit"]
 
 _Q_FLOOR = 1e-8
 
@@ -96,3 +96,19 @@ def accept_greedy(drafts: jax.Array, target_logits: jax.Array) -> tuple[jax.Arra
     g = argmax_ids(target_logits)                                                       # [B, k+1]
     accepted = jnp.sum(jnp.cumprod((drafts == g[:, :-1]).astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     return g, accepted
+
+
+def emit(g: jax.Array, a: jax.Array, stops: jax.Array, max_new: jax.Array, count: jax.Array, live: jax.Array
+         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """What each row emits after acceptance: g int32 [B, k+1] (the accepted drafts, then the residual or bonus
+    token), a int32 [B] accepted drafts; up to a + 1 tokens, cut after the row's first stop id (stops int32 [B, W],
+    -1 = unused) and at max_new int32 [B] less count int32 [B]; rows not live emit nothing. Returns (n int32 [B]
+    tokens emitted, rejected bool [B, k+1] (positions p+n .. p+k, whose state entries are undone), emitted int32
+    [B, k+1] (-1 past n), count + n, ended bool [B] (a stop id emitted or max_new reached))."""
+    offs = jnp.arange(g.shape[1], dtype=jnp.int32)
+    is_stop = jnp.any(g[:, :, None] == stops[:, None, :], axis=-1) & (offs[None, :] <= a[:, None])
+    first_stop = jnp.min(jnp.where(is_stop, offs[None, :], g.shape[1]), axis=1)
+    n = jnp.where(live, jnp.minimum(jnp.minimum(a + 1, first_stop + 1), max_new - count), 0)
+    count = count + n
+    return (n, offs[None, :] >= n[:, None], jnp.where(offs[None, :] < n[:, None], g, -1), count,
+            (first_stop < n) | (count >= max_new))

@@ -44,7 +44,7 @@ from ..model.scan import model_step
 from ..runtime.sampling import SamplingBatch, SamplingParams, batch_params, sample
 from ..runtime.steps import batch_bucket, length_bucket
 from . import undo
-from .acceptance import accept, accept_greedy, argmax_ids, distribution, draw
+from .acceptance import accept, accept_greedy, argmax_ids, distribution, draw, emit
 from .mtp_decode import SpecStats, block_length, state_len, take_block
 
 __all__ = ["Carry", "Final", "check_dspark_model", "check_k", "dspark_generate", "run", "run_full", "prefill_chunk",
@@ -164,20 +164,13 @@ def verify(params, state, dstate, carry: Carry, drafts, q, sb: SamplingBatch, st
         g, a = accept_greedy(drafts, logits)
     else:
         g, a = accept(drafts, q[:, :k], distribution(logits, sb), sb, count, _ACCEPT_TAG)
-    # what each row emits: up to a + 1 tokens, cut after its first stop id and at max_new_tokens
-    is_stop = jnp.any(g[:, :, None] == stops[:, None, :], axis=-1) & (offs[None, :] <= a[:, None])
-    first_stop = jnp.min(jnp.where(is_stop, offs[None, :], k + 1), axis=1)
-    n = jnp.minimum(jnp.minimum(a + 1, first_stop + 1), max_new - count)
-    n = jnp.where(live, n, 0)
+    n, rejected, emitted, count, ended = emit(g, a, stops, max_new, count, live)
     # the state keeps positions p .. p+n-1 (x and the emitted tokens but the last), as plain decoding's would
-    rejected = offs[None, :] >= n[:, None]
     for sl, index, saved in reversed(logs):
         state = undo.restore(state, saved, index, rejected[:, sl])
     dstate = dspark_append(params, dstate, taps, jnp.where(rejected, -1, pos), config=config, plan=plan,
                            numerics=numerics)
-    emitted = jnp.where(offs[None, :] < n[:, None], g, -1)
-    count = count + n
-    done = done | (first_stop < n) | (count >= max_new)
+    done = done | ended
     nxt = jnp.take_along_axis(g, jnp.clip(a, 0, k)[:, None], axis=1)[:, 0]          # (clamped index: S12)
     carry = Carry(jnp.where(live, nxt, x), jnp.where(live, p + a + 1, p), count, done)
     return state, dstate, carry, emitted, jnp.where(live, a, -1), n

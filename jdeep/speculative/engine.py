@@ -20,6 +20,7 @@ import numpy as np
 from ..model.cache import PROGRAMS
 from ..model.model import Model
 from ..model.regions import regions_step
+from ..model.scan import model_step
 from ..runtime.engine import Engine, RequestOutput
 from ..runtime.sampling import INT32_MAX, SamplingParams
 from ..runtime.scheduler import Iteration
@@ -27,7 +28,7 @@ from ..runtime.steps import length_bucket, pack_chunk
 from ..state import move_slot, put_slot_window, slot_window
 from .config import parse_speculative
 from .mtp_decode import SpecStats, check_mtp_model, new_mtp_state
-from .mtp_iteration import Carry, draft, finish, iteration, mtp_params, prefill_chunk, prefill_tail
+from .mtp_iteration import Carry, draft, finish, mtp_params, prefill_tail
 
 __all__ = ["SpeculativeEngine", "make_engine"]
 
@@ -42,32 +43,33 @@ def _put_rows(a: jax.Array, b: jax.Array, start) -> jax.Array:
 
 def _decode_window(params, state, mstate, mlogits, hm, x, p, count, live, sb, start, *, rows, k, greedy, config,
                    plan, numerics, layout=None):
-    """One speculative iteration over slots [start, start + rows): x, p, count int32 [rows], live bool [rows], sb the
-    window's sampling rows (greedy: all of them greedy, mtp_decode.iteration's variant). Returns (state, mstate, mlogits, hm, emitted int32 [rows, k+1], accepted int32 [rows])."""
-    start = jnp.clip(start, 0, mlogits.shape[0] - rows)
-    carry = Carry(x, p, _rows_of(mlogits, rows, start), _rows_of(hm, rows, start), count, ~live)
-    stops = jnp.full((rows, 1), -1, jnp.int32)                  # the host checks stops and lengths
-    max_new = jnp.full((rows,), INT32_MAX, jnp.int32)
-    sw, mw, carry, emitted, a = iteration(params, slot_window(state, rows, start), slot_window(mstate, rows, start),
-                                          carry, sb, stops, max_new, k=k, config=config, plan=plan, numerics=numerics,
-                                          greedy=greedy, layout=layout)
-    return (put_slot_window(state, sw, start), put_slot_window(mstate, mw, start),
-            _put_rows(mlogits, carry.mlogits, start), _put_rows(hm, carry.hm, start), emitted, a)
+    """One speculative iteration over slots [start, start + rows) as one program (the scan compile mode): x, p, count
+    int32 [rows], live bool [rows], sb the window's sampling rows (greedy: all of them greedy). The draft, the
+    backbone's verify step, the finish: the regions mode's three calls (_draft_window, the regions step,
+    _finish_window) in one program. Returns (state, mstate, mlogits, hm, emitted int32 [rows, k+1], accepted int32
+    [rows])."""
+    kw = dict(rows=rows, k=k, greedy=greedy, config=config, plan=plan, numerics=numerics)
+    mstate, carry, dr = _draft_window(params, state, mstate, mlogits, hm, x, p, count, live, sb, start, **kw)
+    first = jnp.clip(start, 0, mlogits.shape[0] - rows)
+    logits, sw, XB = model_step(params, slot_window(state, rows, first), dr.tokens, dr.pos, config=config, plan=plan,
+                                numerics=numerics, all_logits=True, hidden=True, layout=layout)
+    state = put_slot_window(state, sw, first)
+    return _finish_window(params, state, mstate, mlogits, hm, carry, dr, logits, XB, sb, start, **kw)
 
 
 def _prefill_window(params, state, mstate, mlogits, hm, tokens, positions, next_tokens, ends, sb, start, *, rows,
                     greedy, config, plan, numerics, layout=None):
-    """A prefill chunk (backbone and MTP block) over slots [start, start + rows); ends bool [rows]: the rows whose
-    prompt ends in this chunk (their drafter carry is set). Returns (state, mstate, mlogits, hm, first token int32
-    [rows])."""
-    start = jnp.clip(start, 0, mlogits.shape[0] - rows)
-    first, ml, h, sw, mw = prefill_chunk(params, slot_window(state, rows, start), slot_window(mstate, rows, start),
-                                         tokens, positions, next_tokens, sb, config=config, plan=plan,
-                                         numerics=numerics, greedy=greedy, layout=layout)
-    ml = jnp.where(ends[:, None], ml, _rows_of(mlogits, rows, start))
-    h = jnp.where(ends[:, None, None], h, _rows_of(hm, rows, start))
-    return (put_slot_window(state, sw, start), put_slot_window(mstate, mw, start), _put_rows(mlogits, ml, start),
-            _put_rows(hm, h, start), first)
+    """A prefill chunk (backbone and MTP block) over slots [start, start + rows) as one program (the scan mode: the
+    backbone step, then _tail_window); ends bool [rows]: the rows whose prompt ends in this chunk (their drafter
+    carry is set). Returns (state, mstate, mlogits, hm, first token int32 [rows])."""
+    first_slot = jnp.clip(start, 0, mlogits.shape[0] - rows)
+    logits, sw, X = model_step(params, slot_window(state, rows, first_slot), tokens, positions, config=config,
+                               plan=plan, numerics=numerics, hidden=True, layout=layout)
+    state = put_slot_window(state, sw, first_slot)
+    mstate, mlogits, hm, first = _tail_window(params, mstate, mlogits, hm, logits, X, positions, next_tokens, ends,
+                                              sb, start, rows=rows, greedy=greedy, config=config, plan=plan,
+                                              numerics=numerics)
+    return state, mstate, mlogits, hm, first
 
 
 def _draft_window(params, state, mstate, mlogits, hm, x, p, count, live, sb, start, *, rows, k, greedy, config, plan,

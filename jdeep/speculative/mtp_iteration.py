@@ -36,7 +36,7 @@ from ..model.mtp import mtp_step
 from ..model.scan import model_step
 from ..runtime.sampling import SamplingBatch, sample
 from . import undo
-from .acceptance import accept, accept_greedy, argmax_ids, distribution, draw
+from .acceptance import accept, accept_greedy, argmax_ids, distribution, draw, emit
 
 __all__ = ["Carry", "Drafted", "prefill_chunk", "prefill_tail", "iteration", "draft", "finish", "iterations",
            "mtp_params"]
@@ -158,29 +158,21 @@ def finish(params, state, mstate, carry: Carry, dr: Drafted, logits, XB, sb: Sam
     mtp = functools.partial(mtp_step, params, config=config, plan=plan, numerics=numerics)
     x, p, mlogits, hm, count, done = carry
     live = ~done
-    offs = jnp.arange(k + 1, dtype=jnp.int32)
     pos = dr.pos
     drafts = jnp.clip(dr.tokens[:, 1:], 0, logits.shape[-1] - 1)     # (indices from an input: Neuron's S12)
     if greedy:
         g, a = accept_greedy(drafts, logits)
     else:
         g, a = accept(drafts, dr.q, distribution(logits, sb), sb, count, _ACCEPT_TAG)
-    # what each row emits: up to a + 1 tokens, cut after its first stop id and at max_new_tokens
-    is_stop = jnp.any(g[:, :, None] == stops[:, None, :], axis=-1) & (offs[None, :] <= a[:, None])
-    first_stop = jnp.min(jnp.where(is_stop, offs[None, :], k + 1), axis=1)
-    n = jnp.minimum(jnp.minimum(a + 1, first_stop + 1), max_new - count)
-    n = jnp.where(live, n, 0)
+    n, rejected, emitted, count, ended = emit(g, a, stops, max_new, count, live)
     # the state keeps positions p .. p+n-1 (x and the emitted tokens but the last), as plain decoding's would
-    rejected = offs[None, :] >= n[:, None]
     state = undo.restore(state, dr.b_saved, undo.entry_index(state, plan, pos), rejected)
     m_index = undo.entry_index(mstate, None, pos, mtp=True)
     lg, XM, mstate = mtp(mstate, XB, g, jnp.where(rejected, -1, pos), all_logits=False)
     mstate = undo.restore(mstate, dr.m_saved, m_index, rejected)
     a_ix = jnp.clip(a, 0, k)
     hm = jnp.take_along_axis(XM, a_ix[:, None, None, None], axis=1)[:, 0]
-    emitted = jnp.where(offs[None, :] < n[:, None], g, -1)
-    count = count + n
-    done = done | (first_stop < n) | (count >= max_new)
+    done = done | ended
     nxt = jnp.take_along_axis(g, a_ix[:, None], axis=1)[:, 0]
     carry = Carry(jnp.where(live, nxt, x), jnp.where(live, p + a + 1, p), jnp.where(live[:, None], lg, mlogits),
                   jnp.where(live[:, None, None], hm, carry.hm), count, done)
