@@ -117,11 +117,12 @@ class Model:
         return self.compile_mode == "regions" or self.host_embed is not None or self.sampler_device is not None
 
     def to_sampler(self, tree: Any) -> Any:
-        """Arrays moved to the sampler's device (unchanged when sampling runs with the model; replicated over
-        the mesh for a sharded model)."""
+        """Arrays moved to the sampler's device (the model's device when sampling runs with the model; replicated
+        over the mesh for a sharded model). Always committed device arrays, like the outputs of the programs they
+        are fed to next to: a host array there would compile each program a second time."""
         if self.layout is not None:
             return self.layout.put_tree(tree)
-        return tree if self.sampler_device is None else jax.device_put(tree, self.sampler_device)
+        return jax.device_put(tree, self.sampler_device or jax.devices()[0])
 
     def put(self, x: Any) -> jax.Array:
         """A host array as a step input: on the default device, or replicated over the mesh (every process of a

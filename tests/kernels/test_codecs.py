@@ -114,8 +114,12 @@ def test_exact_log2_helpers(xp):
     e = np.arange(-126, 128)
     p = np.asarray(codecs.pow2(xp, xp.asarray(e)), np.float64)
     np.testing.assert_array_equal(p, 2.0 ** e)
-    v = np.concatenate([2.0 ** e, 2.0 ** e * 1.0000001, 2.0 ** e * 0.9999999, [3.0, 1000.0, 1e-30]])
-    v = v[(v > 1.2e-38) & (v < 3e38)].astype(np.float32)
+    sub = 2.0 ** np.arange(-149, -126)
+    bits = np.random.default_rng(0).integers(1, 0x7F800000, 20000, dtype=np.uint32)   # every positive finite
+    v = np.concatenate([2.0 ** e, 2.0 ** e * 1.0000001, 2.0 ** e * 0.9999999, sub, sub * 3, sub * 1.5,
+                        [3.0, 1000.0, 1e-30, 3.4028235e38], bits.view(np.float32)])
+    tiny = 0 if xp is np else np.finfo(np.float32).tiny       # XLA:CPU flushes subnormals to zero
+    v = v[(v >= tiny) & (v > 0) & (v < 3.5e38)].astype(np.float32)
     f = np.asarray(codecs.floor_log2(xp, xp.asarray(v)))
     c = np.asarray(codecs.ceil_log2(xp, xp.asarray(v)))
     v64 = v.astype(np.float64)
