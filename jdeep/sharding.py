@@ -36,8 +36,8 @@ AXES = ("data", "tensor", "expert")
 _MESH_AXIS = {"batch": "data", "vocab": "tensor", "heads": "tensor", "groups": "tensor", "experts": "expert",
               "expert_inter": "tensor"}
 
-# Per-layer logical axes of parameter leaves, by tree path (quantized leaves' "codes" / "packed" / "scale"
-# children take their parent's axes: scales are blocks of the same dims). Leaves not listed are replicated.
+# Per-layer logical axes of parameter leaves, by tree path (quantized leaves' "codes" / "packed" / "scale" /
+# "decoded" children take their parent's axes: scales are blocks of the same dims). Leaves not listed are replicated.
 _PARAM_RULES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("embed",): ("vocab", None),
     ("head",): (None, "vocab"),                          # stored input-major [d, V]
@@ -51,7 +51,7 @@ _PARAM_RULES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("ffn", "w3"): ("experts", "expert_inter", None),
     ("ffn", "w2"): ("experts", None, "expert_inter"),
 }
-_QUANT_CHILDREN = ("codes", "packed", "scale")
+_QUANT_CHILDREN = ("codes", "packed", "scale", "decoded")
 
 # the experts' intermediate dim is split over `tensor` only in whole blocks of this many columns, so fp8
 # weight blocks (128), fp4 scale groups (32) and activation-quantisation groups (128) never straddle shards

@@ -83,7 +83,7 @@ def _local_ops(folder: str, mesh: str) -> dict:
 
 def _expert_leaf(model):
     w1 = model.params["segments"][0][0]["ffn"]["w1"]
-    return w1["scale"] if isinstance(w1, dict) else w1
+    return (w1["decoded"] if "decoded" in w1 else w1["scale"]) if isinstance(w1, dict) else w1
 
 
 def lowered_collectives(folder: str, mesh: str) -> dict:

@@ -64,7 +64,8 @@ def test_loads_quantized_with_host_engram(quant):
     model, _ = quant
     cfg = model.config
     p = model.params["segments"][model.plan.locate(2)[0]][0]
-    assert p["attn"]["wq_a"]["codes"].dtype == np.uint8 and p["ffn"]["w1"]["packed"].dtype == np.uint8
+    # quantized leaves, decoded at load on this platform (model/weights.py; codes are tested in test_weights.py)
+    assert set(p["attn"]["wq_a"]) == {"decoded"} and set(p["ffn"]["w1"]) == {"decoded"}
     assert "hc_head_fn" not in model.params                       # V4.1 collapses with the delayed pre-mix
     eng = model.params["segments"][model.plan.locate(cfg.engram.layer_ids[0])[0]][0]["engram"]
     assert set(eng) == {"wkv", "q_weight", "k_weight"}             # the tables are not device params ...

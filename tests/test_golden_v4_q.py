@@ -41,8 +41,8 @@ def _n_prompts(ref):
     return len([k for k in ref.files if k.startswith("prompt_")])
 
 
-def test_weights_stay_quantized(quant):
-    model, _ = quant
+def test_weights_stay_quantized(folder):
+    model = jdeep.load(folder, weights="codes")
     attn = model.params["segments"][1][0]["attn"]
     assert attn["wq_a"]["codes"].dtype == np.uint8 and attn["wq_a"]["scale"].dtype == np.uint8
     w1 = model.params["segments"][1][0]["ffn"]["w1"]

@@ -107,8 +107,8 @@ def test_trn2_rescale_keeps_every_weight_value():
 
 
 def test_fp8_max_240_load_decodes_to_the_same_weights(qfolder):
-    a = jdeep.load(qfolder)
-    b = jdeep.load(qfolder, fp8_max=240.0)
+    a = jdeep.load(qfolder, weights="codes")
+    b = jdeep.load(qfolder, fp8_max=240.0, weights="codes")
     assert b.numerics.trn2_weights and b.numerics.fp8_max == 240.0
     wa = a.params["segments"][-1][0]["attn"]["wq_b"]
     wb = b.params["segments"][-1][0]["attn"]["wq_b"]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from .registry import get
 
-__all__ = ["linear", "linear_f32", "dequant"]
+__all__ = ["linear", "linear_f32", "dequant", "is_quantized_leaf", "stack_dims"]
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -24,9 +24,25 @@ def linear_f32(x: jax.Array, w: jax.Array) -> jax.Array:
                                precision=jax.lax.Precision.HIGHEST)
 
 
+def is_quantized_leaf(w) -> bool:
+    """Whether `w` is a checkpoint's quantized weight as loaded: {"codes", "scale"} (fp8) or {"packed", "scale"} (fp4)."""
+    return isinstance(w, dict) and set(w) in ({"codes", "scale"}, {"packed", "scale"})
+
+
+def stack_dims(w, n: int) -> tuple[int, ...]:
+    """The first n dims of a weight leaf (float array, codes with scales, or decoded values): its stack dims
+    ([R, E] of stacked experts), which every part of a quantized leaf shares."""
+    if isinstance(w, dict):
+        w = w["decoded"] if "decoded" in w else w["scale"]
+    return tuple(w.shape[:n])
+
+
 def dequant(w: dict, numerics, dtype) -> jax.Array:
-    """Quantized weight leaf ({"codes", "scale"} fp8 / {"packed", "scale"} fp4) -> values in `dtype` (exact for
-    float32 and bfloat16), through the dequant_fp8 / dequant_fp4 hot ops."""
+    """Quantized weight leaf ({"codes", "scale"} fp8 / {"packed", "scale"} fp4, or {"decoded": values} decoded at
+    load, model/weights.py) -> values in `dtype` (exact for float32 and bfloat16), through the dequant_fp8 /
+    dequant_fp4 hot ops."""
+    if "decoded" in w:
+        return w["decoded"].astype(dtype)
     if "codes" in w:
         return get("dequant_fp8")(w["codes"], w["scale"], numerics.weight_block, dtype, numerics.trn2_weights)
     return get("dequant_fp4")(w["packed"], w["scale"], dtype, numerics.fp4_block)

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .linear import dequant, linear_f32
+from .linear import dequant, linear_f32, stack_dims
 from .quant import dequant_fp8, fp8_fake_quant
 from .registry import register
 
@@ -164,7 +164,7 @@ def _weights(w, select, numerics, dtype) -> jax.Array:
 
 def stacked_experts(w1) -> int:
     """The expert axis length of a stacked [R, E, ...] expert weight (float array or quantized leaves)."""
-    return (w1["scale"] if isinstance(w1, dict) else w1).shape[1]
+    return stack_dims(w1, 2)[1]
 
 
 def _expert(a: jax.Array, layer: jax.Array, e: jax.Array) -> jax.Array:

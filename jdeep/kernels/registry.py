@@ -12,7 +12,7 @@ from typing import Callable
 
 import jax
 
-__all__ = ["register", "get", "registered", "implementation"]
+__all__ = ["register", "get", "registered", "implementation", "weight_format"]
 
 _IMPLS: dict[str, dict[str, Callable]] = {}
 _NEURON_LOADED = False
@@ -51,3 +51,10 @@ def implementation(name: str, platform: str) -> Callable:
 def registered() -> dict[str, tuple[str, ...]]:
     """Op name -> the platforms it has implementations for."""
     return {k: tuple(v) for k, v in _IMPLS.items()}
+
+
+def weight_format(backend: str | None = None) -> str:
+    """How a loaded model keeps quantized checkpoint weights on `backend` (default: JAX's): "codes" where the GEMM
+    kernels decode them on the fly (Neuron's NKI kernels read fp8/fp4 codes), "decoded" where the GEMMs are the jnp
+    references, which would otherwise decode every weight again at every step (CPU, GPU). model/weights.py."""
+    return "codes" if (backend or _backend()) == "neuron" else "decoded"

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from tqdm import tqdm
 
-from .. import platforms
+from .. import kernels, platforms
 from ..arenas import pack_params as pack
 from ..config import ModelConfig
 from ..io import checkpoint, convert
@@ -24,6 +24,7 @@ from ..param_spec import abstract_params, padded_experts
 from ..plan import build_plan
 from ..sharding import Layout, make_mesh
 from .model import Model, as_jax_dtype
+from .weights import WEIGHT_FORMATS, decode_weights, resident_bytes
 
 __all__ = ["load"]
 
@@ -31,7 +32,7 @@ __all__ = ["load"]
 def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: bool | None = None,
          fp8_max: float | None = None, packed_kv: bool = False, progress: bool = False,
          compile_mode: str | None = None, host_embedding: bool = False, pack_params: bool | None = None,
-         mesh=None, mtp: bool = False) -> Model:
+         mesh=None, mtp: bool = False, weights: str | None = None) -> Model:
     """Load a DeepSeek-V4 checkpoint folder (HF layout: config.json + safetensors) or a folder written
     by `jdeep convert` (Orbax).
 
@@ -62,6 +63,11 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     mtp: also load the checkpoint's drafter blocks `mtp.*` into params["mtp"]: DeepSeek-V4's MTP blocks
     (model-spec.md §4.7, model/mtp.py) or DeepSeek-V4.1's DSpark stages (§5.8, model/dspark.py; plan.dspark);
     otherwise their tensors are checked by name only and not read.
+    weights: how quantized fp8/fp4 weights are kept: "codes" (uint8 codes + ue8m0 scales, decoded inside each GEMM:
+    1 or 0.5 bytes per weight) or "decoded" (decoded once here into `dtype`: exact, the same logits, 4 or 2 bytes
+    per weight, no decode per step); default: the platform's (kernels.weight_format: codes on Neuron, whose NKI
+    GEMMs read codes, decoded on CPU and GPU unless the decoded weights would fill more than half of a device's
+    memory). model/weights.py.
     The folder's tokenizer.json, if any, becomes `model.tokenizer` (text prompts and stop strings).
     On Neuron, load also sets the compiler's environment (platform.configure_neuron).
     """
@@ -69,6 +75,8 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint folder at {path}")
     jdtype = as_jax_dtype(dtype)
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMATS))}, got {weights!r}")
     plat = platforms.current()
     mode = platforms.compile_mode(compile_mode, plat)
     if mesh is not None and (host_embedding or pack_params):
@@ -102,6 +110,10 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         with _progress(path, progress) as report:
             params = checkpoint.load_params(path, config, plan, np.dtype(jdtype), progress=report,
                                             fp8_rescale=_rescaler(numerics), device=device)
+    if weights is None:
+        weights = _default_weights(params, jdtype, 1 if layout is None else layout.mesh.size)
+    if weights == "decoded":
+        params = decode_weights(params, numerics, jdtype, layout)
     engram = EngramHost.load(path, config.engram) if config.engram is not None else None
     tokenizer = None
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -146,6 +158,27 @@ def _load_sharded(path: str, config, plan, jdtype, numerics, layout, progress: b
     with _progress(path, progress and jax.process_index() == 0, f" ({layout.describe()})") as report:
         return checkpoint.load_params_sharded(path, config, plan, np.dtype(jdtype), sharding_for, n_experts,
                                               progress=report, fp8_rescale=_rescaler(numerics))
+
+
+def _default_weights(params: dict, jdtype, n_devices: int) -> str:
+    """The platform's weight format (kernels.weight_format), but codes where the decoded weights would take more
+    than half of a device's memory (a released checkpoint decoded to float32 is ~7x its download)."""
+    fmt = kernels.weight_format()
+    if fmt == "decoded" and resident_bytes(params, "decoded", jdtype) / n_devices > _device_memory() / 2:
+        return "codes"
+    return fmt
+
+
+def _device_memory() -> int:
+    """Bytes of memory of the default device: its allocator's limit (GPU), else the host's RAM (CPU)."""
+    stats = None
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 (backends without memory stats raise various errors)
+        pass
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _rescaler(numerics):

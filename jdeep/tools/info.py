@@ -14,7 +14,8 @@ from jax.sharding import AbstractMesh, Mesh
 
 from ..config import ModelConfig
 from ..numerics import Numerics
-from ..param_spec import leaf_dtype, leaf_plan, layer_specs, padded_experts, tree_leaves, tree_path
+from ..model.weights import resident_bytes
+from ..param_spec import abstract_params, leaf_dtype, leaf_plan, layer_specs, padded_experts, tree_leaves, tree_path
 from ..plan import build_plan, layer_kinds
 from ..sharding import AXES, Layout, parse_mesh
 from ..state import slot_state_shapes, source_state_shapes, state_bytes
@@ -71,6 +72,11 @@ def summary(config: ModelConfig, dtype: Any = np.float32) -> str:
     pb = param_bytes_by_dtype(config, dtype)
     lines.append("param bytes     " + ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in pb.items())
                  + f" (total {sum(pb.values()) / 2**30:.3f} GiB)")
+    if config.quantization:
+        tree = abstract_params(config, plan, dtype)
+        lines.append(f"resident        {resident_bytes(tree, 'codes', dtype) / 2**30:.3f} GiB with weights=codes "
+                     f"(Neuron's default), {resident_bytes(tree, 'decoded', dtype) / 2**30:.3f} GiB with "
+                     f"weights=decoded ({np.dtype(dtype).name}; the CPU and GPU default where it fits in half the memory)")
     if config.engram is not None:
         e = config.engram
         host = sum(r * (e.head_dim + e.head_dim // 32) for r in e.num_embeddings)

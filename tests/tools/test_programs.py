@@ -137,7 +137,7 @@ def test_export_with_speculative_programs_takes_the_live_argument_trees(tmp_path
     names = [p["name"] for p in manifest["programs"]]
     assert names == ["b1.prefill", "b1.decode", "b1.spec.prefill16.greedy", "b1.spec.prefill16.sampled",
                      "b1.spec1.iteration.greedy", "b1.spec1.iteration.sampled"]
-    model = jdeep.load(demo, mtp=True, pack_params=True, quantize_activations=False)
+    model = jdeep.load(demo, mtp=True, pack_params=True, quantize_activations=False, weights="codes")   # as exported
     c, z = model.config, np.zeros(1, np.int32)
     carry = Carry(z, z, np.zeros((1, c.vocab_size), np.float32), np.zeros((1, c.hc_mult, c.dim), np.float32), z,
                   np.zeros(1, bool))

@@ -45,6 +45,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
+from ..linear import stack_dims
 from ..reference import _act, dense_weight, expert_groups, group_rows, stacked_experts, ungroup_rows
 from .swiglu import swiglu_tile
 
@@ -301,8 +302,8 @@ def _operands(w, numerics, stacked: bool):
     def flat(a):
         return a.reshape((-1,) + a.shape[2:]) if stacked else a[None]
 
-    if not isinstance(w, dict):
-        return flat(w), None, "float", (1, 1)
+    if not isinstance(w, dict) or "decoded" in w:
+        return flat(w["decoded"] if isinstance(w, dict) else w), None, "float", (1, 1)
     if "packed" in w:
         return flat(w["packed"]), flat(w["scale"]), "fp4", (1, int(numerics.fp4_block))
     if not numerics.trn2_weights:
@@ -323,7 +324,7 @@ def _ffn(rows, row_weight, tile_ids, per_tile: int, w1, w2, w3, limit, numerics,
 
 def _stack_ids(w1, layer, experts):
     """Tile ids into the flattened [R·E, ...] stacks, clamped as the references' dynamic slices clamp."""
-    R, E = (w1["scale"] if isinstance(w1, dict) else w1).shape[:2]
+    R, E = stack_dims(w1, 2)
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, R - 1)
     return layer * E + jnp.clip(experts.astype(jnp.int32), 0, E - 1)
 

@@ -49,7 +49,7 @@ def _steps(model, toks: np.ndarray, pos: np.ndarray) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("golden", ["v4-tiny-q", "v41-tiny-q"])
 def test_neuron_path_with_emulated_kernels_equals_the_references(monkeypatch, golden):
-    model = jdeep.load(golden_path(golden), dtype="float32", fp8_max=240.0, compile_mode="scan")
+    model = jdeep.load(golden_path(golden), dtype="float32", fp8_max=240.0, compile_mode="scan", weights="codes")
     assert model.numerics.quantize_activations and model.numerics.trn2_weights
     prompt = np.load(golden_path(golden) / "reference.npz")["prompt_0"][:12]
     toks = np.zeros((1, 16), np.int32)

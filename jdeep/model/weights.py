@@ -1,0 +1,110 @@
+"""How a loaded model keeps its quantized checkpoint weights: as the checkpoint's uint8 codes with ue8m0 scales,
+decoded inside every GEMM that reads them ("codes"), or decoded once at load into the compute dtype ("decoded").
+
+Decoding is exact (an e4m3 or e2m1 value times a power of two is a float32 and a bfloat16), and the GEMM then
+multiplies the same values, so both forms give bit-identical logits. "codes" keeps 1 (fp8) or 0.5 (fp4) bytes per
+weight resident and pays the decode at every step; "decoded" keeps 4 or 2 bytes and pays it once. The kernel
+dispatch picks per platform (kernels.registry.weight_format): Neuron's NKI GEMMs decode codes on the fly, the
+jnp references (CPU, GPU) run fastest on decoded weights. A decoded leaf stays a dict, {"decoded": array [..., N, K]},
+so the layers still know the weight was quantized and act-quantize its input under DeepSeek's numerics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from ..kernels import codecs
+from ..kernels.linear import dequant, is_quantized_leaf
+from ..numerics import Numerics
+
+__all__ = ["WEIGHT_FORMATS", "decode_weights", "weight_bytes", "resident_bytes"]
+
+WEIGHT_FORMATS = ("codes", "decoded")
+
+
+def decode_weights(params: dict, numerics: Numerics, dtype: Any, layout=None) -> dict:
+    """params with every quantized leaf ({"codes", "scale"} fp8 / {"packed", "scale"} fp4) replaced by
+    {"decoded": its values in `dtype`}, one leaf at a time (the codes are freed as it goes), on the host (leaves
+    spread over several processes: on their devices); on a mesh each decoded leaf takes its codes' sharding."""
+    def walk(node: Any, path: tuple) -> Any:
+        if is_quantized_leaf(node):
+            return {"decoded": _decode(node, path, numerics, dtype, layout)}
+        if isinstance(node, dict):
+            return {k: walk(v, path + (k,)) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v, path + (i,)) for i, v in enumerate(node))
+        return node
+
+    return walk(params, ())
+
+
+def _decode(leaf: dict, path: tuple, numerics: Numerics, dtype: Any, layout) -> jax.Array:
+    if not all(getattr(a, "is_fully_addressable", True) for a in leaf.values()):
+        # a leaf spread over several processes: decoded where its shards live (one small program per leaf shape)
+        shape = jax.eval_shape(lambda w: dequant(w, numerics, dtype), leaf).shape
+        out = NamedSharding(layout.mesh, layout.param_spec(path + ("decoded",), shape))
+        return jax.jit(lambda w: dequant(w, numerics, dtype), out_shardings=out)(leaf)
+    values = _decode_on_host({k: np.asarray(v) for k, v in leaf.items()}, numerics, dtype)
+    if layout is None:
+        return jax.device_put(values, jax.devices()[0])
+    return jax.device_put(values, NamedSharding(layout.mesh, layout.param_spec(path + ("decoded",), values.shape)))
+
+
+def _decode_on_host(leaf: dict, numerics: Numerics, dtype: Any) -> np.ndarray:
+    """The dequant_fp8 / dequant_fp4 references' arithmetic in numpy (no program to compile per leaf shape): the
+    same exact products, so the same values."""
+    if "codes" in leaf:
+        codes, (bn, bk) = leaf["codes"], numerics.weight_block
+        s = codecs.ue8m0_decode(np, leaf["scale"])
+        s = np.repeat(np.repeat(s, bn, axis=-2), bk, axis=-1)[..., : codes.shape[-2], : codes.shape[-1]]
+        w = codecs.e4m3_decode(np, codes, trn2=numerics.trn2_weights) * s
+    else:
+        w = codecs.e2m1_decode(np, codecs.unpack_e2m1(np, leaf["packed"]))
+        w = w * np.repeat(codecs.ue8m0_decode(np, leaf["scale"]), numerics.fp4_block, axis=-1)
+    return w.astype(np.dtype(dtype))
+
+
+def weight_bytes(params: dict) -> dict[str, int]:
+    """Resident bytes of a param tree by kind: "codes" (fp8/fp4 codes and their scales), "decoded" (quantized
+    weights decoded at load) and "float" (everything else)."""
+    out = {"codes": 0, "decoded": 0, "float": 0}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict) and (is_quantized_leaf(node) or set(node) == {"decoded"}):
+            kind = "decoded" if "decoded" in node else "codes"
+            out[kind] += sum(int(a.size) * a.dtype.itemsize for a in node.values())
+        elif isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+        elif hasattr(node, "dtype"):
+            out["float"] += int(node.size) * node.dtype.itemsize
+
+    walk(params)
+    return out
+
+
+def resident_bytes(params: Any, weights: str, dtype: Any) -> int:
+    """Bytes a param tree in the checkpoint's form (arrays or ShapeDtypeStructs, quantized leaves as codes) holds on
+    the device when its quantized weights are kept as `weights` ("codes" or "decoded" into `dtype`)."""
+    itemsize = np.dtype(dtype).itemsize
+
+    def size(node: Any) -> int:
+        if is_quantized_leaf(node):
+            if weights == "codes":
+                return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in node.values())
+            n = int(np.prod(node["codes"].shape)) if "codes" in node else 2 * int(np.prod(node["packed"].shape))
+            return n * itemsize
+        if isinstance(node, dict):
+            return sum(size(v) for v in node.values())
+        if isinstance(node, (list, tuple)):
+            return sum(size(v) for v in node)
+        return int(np.prod(node.shape)) * np.dtype(node.dtype).itemsize
+
+    return size(params)
