@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare", choices=["transformers"],
                    help="also run transformers' DeepseekV4ForCausalLM on the same checkpoint, dtype and prompts and "
                         "print jdeep/transformers ratios (unquantized DeepSeek-V4 only; pip install 'jdeep[compare]')")
-    add_load_args(b, *RUNTIME)
+    add_load_args(b, "weights", *RUNTIME)
     add_process_args(b)
     b.set_defaults(fn=cmd_bench)
 

@@ -30,6 +30,9 @@ LOAD_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "fp8_max": ("--fp8-max", dict(type=float, help="448 (e4m3fn) or 240/224 for Trainium2's e4m3 (default: the "
                                                    "platform's, 240 on trn1/trn2, else 448)")),
     "packed_kv": ("--packed-kv", dict(action="store_true", help="keep the KV cache as uint8 fp8 records")),
+    "weights": ("--weights", dict(choices=["codes", "decoded"],
+                                  help="keep fp8/fp4 weights as uint8 codes decoded in each GEMM, or decoded once at load "
+                                       "(exact; default: codes on Neuron, decoded on CPU/GPU where they fit)")),
     "compile_mode": ("--compile-mode", dict(
         choices=["scan", "regions"],
         help="scan: one program per step; regions: a host loop over layers, one program per layer kind's half "
