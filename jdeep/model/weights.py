@@ -21,7 +21,7 @@ from ..kernels import codecs
 from ..kernels.linear import dequant, is_quantized_leaf
 from ..numerics import Numerics
 
-__all__ = ["WEIGHT_FORMATS", "decode_weights", "weight_bytes", "resident_bytes"]
+__all__ = ["WEIGHT_FORMATS", "decode_weights", "weight_leaves", "is_decoded_leaf", "weight_bytes", "resident_bytes"]
 
 WEIGHT_FORMATS = ("codes", "decoded")
 
@@ -68,43 +68,41 @@ def _decode_on_host(leaf: dict, numerics: Numerics, dtype: Any) -> np.ndarray:
     return w.astype(np.dtype(dtype))
 
 
+def weight_leaves(params: Any) -> list:
+    """The leaves of a param tree with each weight whole: a quantized leaf ({"codes"|"packed", "scale"}), a decoded
+    one ({"decoded": values}) or a float array (or ShapeDtypeStruct)."""
+    return jax.tree_util.tree_leaves(params, is_leaf=lambda n: is_quantized_leaf(n) or is_decoded_leaf(n))
+
+
+def is_decoded_leaf(w: Any) -> bool:
+    """Whether `w` is a quantized weight decoded at load: {"decoded": values}."""
+    return isinstance(w, dict) and set(w) == {"decoded"}
+
+
+def _nbytes(a: Any) -> int:
+    return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+
+
 def weight_bytes(params: dict) -> dict[str, int]:
     """Resident bytes of a param tree by kind: "codes" (fp8/fp4 codes and their scales), "decoded" (quantized
     weights decoded at load) and "float" (everything else)."""
     out = {"codes": 0, "decoded": 0, "float": 0}
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict) and (is_quantized_leaf(node) or set(node) == {"decoded"}):
-            kind = "decoded" if "decoded" in node else "codes"
-            out[kind] += sum(int(a.size) * a.dtype.itemsize for a in node.values())
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-        elif hasattr(node, "dtype"):
-            out["float"] += int(node.size) * node.dtype.itemsize
-
-    walk(params)
+    for leaf in weight_leaves(params):
+        kind = "codes" if is_quantized_leaf(leaf) else "decoded" if is_decoded_leaf(leaf) else "float"
+        out[kind] += sum(map(_nbytes, leaf.values())) if isinstance(leaf, dict) else _nbytes(leaf)
     return out
 
 
 def resident_bytes(params: Any, weights: str, dtype: Any) -> int:
     """Bytes a param tree in the checkpoint's form (arrays or ShapeDtypeStructs, quantized leaves as codes) holds on
     the device when its quantized weights are kept as `weights` ("codes" or "decoded" into `dtype`)."""
-    itemsize = np.dtype(dtype).itemsize
-
-    def size(node: Any) -> int:
-        if is_quantized_leaf(node):
-            if weights == "codes":
-                return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in node.values())
-            n = int(np.prod(node["codes"].shape)) if "codes" in node else 2 * int(np.prod(node["packed"].shape))
-            return n * itemsize
-        if isinstance(node, dict):
-            return sum(size(v) for v in node.values())
-        if isinstance(node, (list, tuple)):
-            return sum(size(v) for v in node)
-        return int(np.prod(node.shape)) * np.dtype(node.dtype).itemsize
-
-    return size(params)
+    total = 0
+    for leaf in weight_leaves(params):
+        if not is_quantized_leaf(leaf):
+            total += _nbytes(leaf)
+        elif weights == "codes":
+            total += sum(map(_nbytes, leaf.values()))
+        else:       # one value per code; two per packed fp4 byte
+            n = int(np.prod(leaf["codes"].shape)) if "codes" in leaf else 2 * int(np.prod(leaf["packed"].shape))
+            total += n * np.dtype(dtype).itemsize
+    return total

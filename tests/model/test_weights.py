@@ -9,7 +9,7 @@ import pytest
 import jdeep
 from jdeep.kernels import weight_format
 from jdeep.kernels.linear import is_quantized_leaf
-from jdeep.model.weights import resident_bytes, weight_bytes
+from jdeep.model.weights import is_decoded_leaf, resident_bytes, weight_bytes, weight_leaves
 from jdeep.param_spec import abstract_params
 
 from conftest import golden_path
@@ -23,29 +23,12 @@ def both():
     return {w: jdeep.load(folder, weights=w) for w in ("codes", "decoded")}
 
 
-def _leaves(params, pick):
-    out = []
-
-    def walk(node):
-        if pick(node):
-            out.append(node)
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-
-    walk(params)
-    return out
-
-
 def test_decoded_weights_give_the_logits_of_codes_bit_for_bit(both):
     codes, decoded = both["codes"], both["decoded"]
     assert codes.numerics == decoded.numerics and decoded.numerics.quantize_activations
-    quantized = _leaves(codes.params, is_quantized_leaf)
-    values = _leaves(decoded.params, lambda n: isinstance(n, dict) and set(n) == {"decoded"})
-    assert len(quantized) == len(values) > 0 and not _leaves(decoded.params, is_quantized_leaf)
+    quantized = [w for w in weight_leaves(codes.params) if is_quantized_leaf(w)]
+    values = [w for w in weight_leaves(decoded.params) if is_decoded_leaf(w)]
+    assert len(quantized) == len(values) > 0 and not any(map(is_quantized_leaf, weight_leaves(decoded.params)))
     assert all(v["decoded"].dtype == np.float32 for v in values)
     np.testing.assert_array_equal(jdeep.forward(decoded, PROMPT), jdeep.forward(codes, PROMPT))
 
