@@ -42,7 +42,7 @@ from .plan import LayerKind, LayerPlan
 
 __all__ = ["slot_state_shapes", "source_state_shapes", "source_index", "init_state", "empty_state", "empty_slot_state",
            "slot_window", "put_slot_window", "move_slot",
-           "state_bytes", "reset_slots"]
+           "state_bytes", "reset_slots", "zero_slots"]
 
 State = dict  # {"segments": list (segments) of list (slots) of dict[str, jax.Array], "sources": dict}
 
@@ -140,6 +140,13 @@ def reset_slots(state: State, mask: jax.Array) -> State:
 
     return {"segments": [[{k: reset(k, v) for k, v in slot.items()} for slot in seg] for seg in state["segments"]],
             "sources": {key: {k: reset(k, v) for k, v in d.items()} for key, d in state["sources"].items()}}
+
+
+def zero_slots(tree: Any, mask: jax.Array) -> Any:
+    """Any layer-major state tree ([R, B, ...] leaves: a drafter's windows, the MTP block's state) with the sequence
+    slots where mask [B] is True zeroed."""
+    return jax.tree_util.tree_map(
+        lambda a: jnp.where(mask.reshape((1, -1) + (1,) * (a.ndim - 2)), jnp.zeros((), a.dtype), a), tree)
 
 
 def window_start(state: Any, rows: int, start: Any = None) -> jax.Array | int:

@@ -185,7 +185,7 @@ def test_two_processes_give_the_single_process_tokens(tmp_path):
     lines = [json.dumps({"prompt_ids": p, "max_new_tokens": 4}) for p in prompts]
     (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "jdeep.cli", "generate", "--model", str(path), "--mesh", "data=2,expert=4",
          "--prompts-file", str(tmp_path / "p.jsonl"), "--max-num-seqs", "2", "--max-len", "64",

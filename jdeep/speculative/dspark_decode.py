@@ -48,7 +48,8 @@ from .acceptance import accept, accept_greedy, argmax_ids, distribution, draw, e
 from .mtp_decode import SpecStats, block_length, state_len, take_block
 
 __all__ = ["Carry", "Final", "check_dspark_model", "check_k", "dspark_generate", "run", "run_full", "prefill_chunk",
-           "draft", "verify", "iteration", "ring_entries"]
+           "draft", "verify", "iteration", "ring_entries", "dead_tokens",
+           "draft_program", "verify_program"]
 
 _DRAFT_TAG, _ACCEPT_TAG = 1, 1000
 
@@ -250,7 +251,8 @@ def run(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_size: i
     return out, stats, final.state
 
 
-def _dead(model: Model, tokens: np.ndarray) -> np.ndarray | None:
+def dead_tokens(model: Model, tokens: np.ndarray) -> np.ndarray | None:
+    """Which of tokens int [B, S] are dead for Engram (image tokens; None for models without image tokens)."""
     image = model.config.image_token_id
     return None if image is None else np.asarray(tokens) == image
 
@@ -309,7 +311,7 @@ def run_full(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_si
             engram = model.engram_inputs(history.copy(), tokens, pos)
             state, dstate, carry, emitted, a, kept = verify_program(model, k, greedy)(
                 model.params, state, dstate, carry, drafts, q, sb, stops, max_new_d, engram)
-            history.advance(tokens, np.asarray(kept), _dead(model, tokens))
+            history.advance(tokens, np.asarray(kept), dead_tokens(model, tokens))
             emitted, a = np.asarray(emitted)[None], np.asarray(a)[None]
         else:
             n = block_length(stats, done, max_new, count, block_iterations)

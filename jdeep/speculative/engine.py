@@ -1,6 +1,7 @@
-"""The Engine with MTP speculative decoding: each iteration every decoding request drafts k tokens, the backbone
-verifies them in one step and the request takes up to k + 1 tokens (mtp_decode.iteration, per window of slots);
-prefill chunks also run the MTP block, so a request's first iteration drafts from its prompt.
+"""The Engine with MTP speculative decoding, and make_engine (the plain Engine, this one or dspark_engine's): each
+iteration every decoding request drafts k tokens, the backbone verifies them in one step and the request takes up to
+k + 1 tokens (mtp_decode.iteration, per window of slots); prefill chunks also run the MTP block, so a request's
+first iteration drafts from its prompt.
 
 Besides the Engine's backbone state the pool holds the MTP blocks' window state and, per slot, the drafter's logits
 for the next token and its output streams (mtp_decode.Carry's mlogits and hm). The host keeps each request's last
@@ -25,8 +26,9 @@ from ..runtime.engine import Engine, RequestOutput
 from ..runtime.sampling import INT32_MAX, SamplingParams
 from ..runtime.scheduler import Iteration
 from ..runtime.steps import length_bucket, pack_chunk
-from ..state import move_slot, put_slot_window, slot_window
+from ..state import move_slot, put_slot_window, slot_window, zero_slots
 from .config import parse_speculative
+from .dspark_engine import DSparkEngine
 from .mtp_decode import SpecStats, check_mtp_model, new_mtp_state
 from .mtp_iteration import Carry, draft, finish, mtp_params, prefill_tail
 
@@ -119,11 +121,6 @@ def _move_all(state, mstate, carry, src, dst):
     return move_slot(state, src, dst), move_slot(mstate, src, dst), _move_rows(carry, src, dst)
 
 
-def _reset_mtp(mstate, mask):
-    return jax.tree_util.tree_map(
-        lambda a: jnp.where(mask.reshape((1, -1) + (1,) * (a.ndim - 2)), jnp.zeros((), a.dtype), a), mstate)
-
-
 class SpeculativeEngine(Engine):
     """Engine(model, ...) with speculative={"method": "mtp", "num_speculative_tokens": k} (model loaded with
     mtp=True). `spec_stats` counts drafted and accepted tokens (SpecStats)."""
@@ -131,8 +128,8 @@ class SpeculativeEngine(Engine):
     def __init__(self, model: Model, speculative: dict, **kw):
         method, self.k = parse_speculative(speculative)
         if method != "mtp":
-            raise ValueError(f"the engine (and jdeep serve) runs speculative method 'mtp' so far; {method!r} runs in "
-                             "jdeep.generate / jdeep generate")
+            raise ValueError(f"SpeculativeEngine runs speculative method 'mtp', got {method!r} (make_engine picks the "
+                             "engine of a method)")
         check_mtp_model(model)
         super().__init__(model, decode_width=self.k + 1, **kw)
         self.spec_stats = SpecStats(self.k)
@@ -156,7 +153,7 @@ class SpeculativeEngine(Engine):
 
     def _reset_slots(self, mask: np.ndarray) -> None:
         super()._reset_slots(mask)
-        self.mstate = PROGRAMS.jit(_reset_mtp, donate_argnums=(0,))(self.mstate, self.model.put(mask))
+        self.mstate = PROGRAMS.jit(zero_slots, donate_argnums=(0,))(self.mstate, self.model.put(mask))
 
     def _move_slot(self, src, dst) -> None:
         self.state, self.mstate, (self.mlogits, self.hm) = PROGRAMS.jit(_move_all, donate_argnums=(0, 1, 2))(
@@ -287,5 +284,9 @@ class SpeculativeEngine(Engine):
 
 
 def make_engine(model: Model, speculative: dict | None = None, **kw) -> Engine:
-    """An Engine, or a SpeculativeEngine when `speculative` is given (vLLM's spelling)."""
-    return Engine(model, **kw) if speculative is None else SpeculativeEngine(model, speculative, **kw)
+    """An Engine, or with `speculative` (vLLM's spelling) the speculative engine of its method: SpeculativeEngine
+    (MTP) or DSparkEngine."""
+    if speculative is None:
+        return Engine(model, **kw)
+    method, _ = parse_speculative(speculative)
+    return (DSparkEngine if method == "dspark" else SpeculativeEngine)(model, speculative, **kw)

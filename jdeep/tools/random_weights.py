@@ -16,8 +16,8 @@ from ..io.safetensors import write_safetensors
 from ..io.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
 from ..io.writer import quantize_weight
 from ..kernels import codecs
-from ..param_spec import (F32, FP4, FP8, FP8_DEQUANT, INDEX, TensorSpec, engram_table_specs, layer_specs, mtp_specs,
-                          top_specs)
+from ..param_spec import (F32, FP4, FP8, FP8_DEQUANT, INDEX, TensorSpec, dspark_extra_specs, dspark_stage_specs,
+                          engram_table_specs, layer_specs, mtp_specs, top_specs)
 from ..plan import layer_kinds, mtp_depths
 from ..presets import TINY_CONFIG, deep_tiny_config, one_layer_config, tiny_v41_config
 
@@ -76,6 +76,12 @@ def _all_specs(config: ModelConfig):
     for depth in range(mtp_depths(config)):   # DeepSeek-V4 checkpoints carry their MTP blocks
         for spec in mtp_specs(config):
             yield f"mtp.{depth}.{spec.name}", spec
+    if config.dspark is not None:             # DeepSeek-V4.1 checkpoints carry the DSpark drafter's stages
+        for stage in range(config.dspark.n_layers):
+            for spec in dspark_stage_specs(config):
+                yield f"mtp.{stage}.{spec.name}", spec
+        for stage, spec in dspark_extra_specs(config):
+            yield f"mtp.{stage}.{spec.name}", spec
 
 
 def _engram_tables(rng: np.random.Generator, config: ModelConfig, sparse: bool) -> tuple[dict, dict]:

@@ -128,7 +128,7 @@ def test_sampler_on_another_device(tmp_path):
     raw = dict(TINY_CONFIG, layer_types=["sliding_attention", "compressed_sparse_attention"], num_hidden_layers=2,
                num_hash_layers=1)
     random_checkpoint(raw, str(tmp_path), seed=2)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, "-c", _SPLIT_SAMPLER, str(tmp_path)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0 and "same tokens" in run.stdout, run.stderr[-3000:]

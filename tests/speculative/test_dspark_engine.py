@@ -1,0 +1,139 @@
+"""Speculative decoding with DeepSeek-V4.1's DSpark drafter in the engine and the server (k = 3 and 2, float
+numerics): requests joining and leaving a 2-slot pool get the tokens the plain engine gives them (greedy; stop ids and
+max_new_tokens cut accepted drafts short), sampled requests run beside them, warm-up compiles every program serving
+reaches and leaves the state untouched.
+
+Two models: the v41-dspark-tiny golden (Engram layers: the whole pool steps, the draft and the verify are two
+programs with the host's Engram gather between them) with an oracle drafter, so that accepted drafts go through
+the engine; and a random V4.1 model with a DSpark drafter and no Engram layers (one program per window of slots,
+compaction moving the drafter's windows with the state)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import jdeep
+from conftest import golden_path
+from jdeep import SamplingParams
+from jdeep.cli import build_parser
+from jdeep.presets import tiny_v41_config
+from jdeep.runtime.engine import Engine
+from jdeep.speculative import dspark_decode, dspark_engine
+from jdeep.speculative.dspark_engine import DSparkEngine
+from jdeep.speculative.engine import make_engine
+from jdeep.tools.random_weights import random_checkpoint
+
+ENGINE = dict(max_num_seqs=2, max_len=96, prefill_chunk=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return jdeep.load(golden_path("v41-dspark-tiny"), mtp=True, quantize_activations=False)
+
+
+def _requests(vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lengths, max_new = (7, 30, 3, 18, 40), (20, 9, 24, 13, 6)
+    return [(rng.integers(3, vocab, n).tolist(), SamplingParams(max_new_tokens=m)) for n, m in zip(lengths, max_new)]
+
+
+def _serve(engine, requests, join_after: int = 3):
+    """The first three requests, `join_after` steps, then the rest; outputs in request order."""
+    rids = [engine.add_request(p, s) for p, s in requests[:3]]
+    for _ in range(join_after):
+        engine.step()
+    rids += [engine.add_request(p, s) for p, s in requests[3:]]
+    outs = engine.run()
+    return [outs[r] for r in rids]
+
+
+def test_dspark_engine_with_engram_gives_the_plain_engines_tokens(golden, monkeypatch):
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    k, V = 3, golden.config.vocab_size
+    requests = _requests(V)
+    plain = _serve(Engine(golden, **ENGINE), requests)
+    stop = plain[0].tokens[5]            # a stop id inside what the drafts would accept: the request ends there
+    requests[0] = (requests[0][0], SamplingParams(max_new_tokens=20, stop_token_ids=(stop,)))
+    plain[0].tokens = plain[0].tokens[:plain[0].tokens.index(stop) + 1]
+    sampled = (requests[1][0], SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3))
+
+    eng = DSparkEngine(golden, {"method": "dspark", "num_speculative_tokens": k}, **ENGINE)
+    state = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves((eng.state, eng.dstate))]
+    assert eng.warmup() == 2 * 2 + 2     # the pool: (draft + verify, prefill 16) x (greedy, sampled)
+    for before, after in zip(state, jax.tree_util.tree_leaves((eng.state, eng.dstate))):
+        np.testing.assert_array_equal(before, np.asarray(after))
+
+    # the oracle drafter: each slot's plain continuation, wrong from a draft that varies with the slot and position
+    block = golden.config.dspark.block_size
+    seqs = {o.request_id: np.array(p + o.tokens + [0] * (2 * block), np.int32)
+            for o, (p, _) in zip(plain, requests)}
+
+    def oracle(params, dstate, carry, sb):
+        p = np.asarray(carry.p)
+        drafts = np.zeros((len(p), block), np.int32)
+        for i, s in enumerate(eng.slots):
+            if s is not None and s.out.request_id in seqs:
+                right = seqs[s.out.request_id][p[i] + 1:p[i] + 1 + block]
+                drafts[i] = np.where(np.arange(block) < (p[i] + i) % (k + 1), right, (right + 1) % V)
+        return jax.device_put(drafts, jax.devices()[0]), None    # committed, as the draft program's output
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == BACKEND_COMPILE_EVENT else None)
+    real = dspark_decode.draft_program
+    monkeypatch.setattr(dspark_engine, "draft_program", lambda model, greedy: oracle if greedy else real(model, greedy))
+    spec = _serve(eng, requests + [sampled])
+    assert compiles == []
+    assert [o.tokens for o in spec[:len(plain)]] == [o.tokens for o in plain]
+    assert [o.finish_reason for o in spec[:len(plain)]] == ["stop"] + ["length"] * (len(plain) - 1)
+    assert len(spec[-1].tokens) == 12 and spec[-1].finish_reason == "length"
+    s = eng.spec_stats.as_dict()
+    assert s["acceptance_per_position"][k - 1] > 0.1 and s["mean_accepted_length"] > 1.5, s
+
+
+@pytest.fixture(scope="module")
+def no_engram(tmp_path_factory):
+    """A random V4.1 model with a 2-stage DSpark drafter and no Engram layers."""
+    raw = tiny_v41_config(quantized=False)
+    text = raw["text_config"]
+    for key in [k for k in text if k.startswith("engram_")]:
+        del text[key]
+    text.update(num_nextn_predict_layers=2, dspark_block_size=4, dspark_noise_token_id=509, dspark_markov_rank=16,
+                dspark_target_layer_ids=[5, 7], dspark_n_routed_experts=4, dspark_num_experts_per_tok=2)
+    folder = tmp_path_factory.mktemp("dspark-no-engram")
+    random_checkpoint(raw, str(folder), seed=5)
+    return jdeep.load(folder, mtp=True)
+
+
+def test_dspark_engine_windows_give_the_plain_engines_tokens(no_engram):
+    """Without Engram: one draft+verify program per slot window; requests join, leave and move down (compaction)."""
+    requests = _requests(no_engram.config.vocab_size, seed=1)
+    plain = _serve(Engine(no_engram, **ENGINE), requests)
+    eng = make_engine(no_engram, {"method": "dspark", "num_speculative_tokens": 2}, **ENGINE)
+    assert isinstance(eng, DSparkEngine) and eng.scheduler.window_mode != "pool"
+    spec = _serve(eng, requests)
+    assert [o.tokens for o in spec] == [o.tokens for o in plain]
+    assert eng.spec_stats.as_dict()["iterations"] > 0
+    # slot 0 ends first: the request in slot 1 moves down (state and drafter windows) and goes on as plainly
+    pair = [requests[1], (requests[4][0], SamplingParams(max_new_tokens=24))]
+    plain = _serve(Engine(no_engram, **ENGINE), pair, join_after=0)
+    moves = eng.totals["slot_moves"]
+    assert [o.tokens for o in _serve(eng, pair, join_after=0)] == [o.tokens for o in plain]
+    assert eng.totals["slot_moves"] > moves
+
+
+def test_dspark_engine_errors(golden):
+    args = build_parser().parse_args(["serve", "--model", "m", "--speculative-config", '{"method": "dspark"}'])
+    assert args.speculative_config == {"method": "dspark"}
+    with pytest.raises(ValueError, match=r"\[1, 5\].*dspark_block_size"):
+        make_engine(golden, {"method": "dspark", "num_speculative_tokens": 6}, **ENGINE)
+    with pytest.raises(ValueError, match="'method': 'dspark'"):
+        make_engine(golden, {"method": "mtp"}, **ENGINE)
+    regions = dataclasses.replace(golden, compile_mode="regions")
+    with pytest.raises(ValueError, match="scan compile mode"):
+        make_engine(regions, {"method": "dspark"}, **ENGINE)
