@@ -213,6 +213,13 @@ class Layout:
         return jax.tree_util.tree_map(
             lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, self.state_spec(a.shape))), state)
 
+    def batch_sharding(self, x: Any) -> NamedSharding:
+        return NamedSharding(self.mesh, self.batch_spec(np.shape(x)))
+
+    def constrain_batch(self, tree: Any) -> Any:
+        """Batch-first arrays ([B, ...]) constrained to be sharded by sequence slot, as put_batch places them."""
+        return jax.tree_util.tree_map(lambda a: jax.lax.with_sharding_constraint(a, self.batch_sharding(a)), tree)
+
     def constrain_replicated(self, x: jax.Array) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, self.replicated)
 
@@ -232,6 +239,10 @@ class Layout:
 
     def put_tree(self, tree: Any) -> Any:
         return jax.tree_util.tree_map(self.put, tree)
+
+    def put_batch(self, tree: Any) -> Any:
+        """Host batch-first arrays ([B, ...]) as global arrays sharded by sequence slot."""
+        return jax.tree_util.tree_map(lambda a: self.put(a, self.batch_sharding(a)), tree)
 
     def describe(self) -> str:
         return ",".join(f"{a}={s}" for a, s in self.sizes.items())

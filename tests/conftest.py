@@ -99,6 +99,19 @@ def golden_path(name: str) -> pathlib.Path:
     return path
 
 
+def compiled_variants() -> dict:
+    """How many compiled variants each program in jdeep's program cache holds (key -> count)."""
+    from jdeep.model.cache import PROGRAMS
+    return {key: fn._cache_size() for key, fn in PROGRAMS.items() if hasattr(fn, "_cache_size")}
+
+
+def assert_each_program_compiled_once_since(before: dict) -> None:
+    """One call (one set of shapes) compiles each program at most once: a loop whose first input is placed
+    differently from the outputs that replace it (a host or uncommitted array) would compile it a second time."""
+    grown = {key: n - before.get(key, 0) for key, n in compiled_variants().items()}
+    assert max(grown.values(), default=0) <= 1, [key[:2] for key, n in grown.items() if n > 1]
+
+
 MAX_MAPPINGS = 20000   # a third of Linux's default vm.max_map_count (65530): one module added 22k
 
 

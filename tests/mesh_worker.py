@@ -60,8 +60,9 @@ def speculative(mesh: str) -> dict:
 
     demo = os.path.join(os.path.dirname(jdeep.__file__), "demo_model")
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    sp = [SamplingParams(max_new_tokens=10), SamplingParams(max_new_tokens=8, temperature=0.9, seed=3),
-          SamplingParams(max_new_tokens=10)]
+    # at most 7 new tokens: every block is a single iteration (mtp_decode.block_length), one program per run
+    sp = [SamplingParams(max_new_tokens=7), SamplingParams(max_new_tokens=6, temperature=0.9, seed=3),
+          SamplingParams(max_new_tokens=7)]
     prompts = [p + [11, 12] for p in PROMPTS] + [[40, 41, 42]]
     runs = [jdeep.generate(jdeep.load(demo, mtp=True, quantize_activations=False, mesh=m), prompts, sampling=sp,
                            ignore_eos=True, speculative=spec).tokens for m in (None, mesh)]

@@ -124,6 +124,15 @@ class Model:
             return self.layout.put_tree(tree)
         return jax.device_put(tree, self.sampler_device or jax.devices()[0])
 
+    def commit(self, tree: Any) -> Any:
+        """Host batch-first arrays ([B, ...]) for a loop carry (inputs that later calls take from program outputs):
+        committed device arrays on the model's device (sharded by sequence slot over the mesh, where the programs
+        constrain their carry outputs so), like the outputs that replace them, so the first call and the later ones
+        run one compiled program (an uncommitted array would compile it a second time)."""
+        if self.layout is not None:
+            return self.layout.put_batch(tree)
+        return jax.device_put(tree, jax.devices()[0])
+
     def put(self, x: Any) -> jax.Array:
         """A host array as a step input: on the default device, or replicated over the mesh (every process of a
         multi-process run passes the same value)."""

@@ -296,7 +296,7 @@ def run_full(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_si
     done = np.array([b >= B or max_new[b] <= 1 or x[b] in stop_ids[b] for b in range(Bb)])
     ended = set(on_block([[int(x[b])] for b in range(B)]) if on_block else ())
     done[list(ended)] = True
-    carry = Carry(jnp.asarray(x), jnp.asarray(lens.astype(np.int32)), jnp.asarray(count), jnp.asarray(done))
+    carry = Carry(*model.commit((x, lens.astype(np.int32), count, done)))
     stats = SpecStats(k)
     greedy = all(s.temperature == 0 for s in sampling)
     stops, max_new_d = jnp.asarray(stops), jnp.asarray(max_new)

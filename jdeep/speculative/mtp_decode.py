@@ -180,7 +180,7 @@ def take_block(emitted: np.ndarray, accepted: np.ndarray, out: np.ndarray, count
     stop_rows = [b for b in (on_block(new) if on_block else ()) if not done[b]]
     if stop_rows:
         done[stop_rows] = True
-        carry = carry._replace(done=jnp.asarray(done))
+        carry = carry._replace(done=jax.device_put(done, carry.done.sharding))    # placed as the program's output
     return carry, done
 
 
@@ -232,8 +232,8 @@ def run(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_size: i
     done = np.array([b >= B or max_new[b] <= 1 or x[b] in stop_ids[b] for b in range(Bb)])
     ended = set(on_block([[int(x[b])] for b in range(B)]) if on_block else ())
     done[list(ended)] = True
-    carry = Carry(jnp.asarray(x), jnp.asarray(lens.astype(np.int32)), mlogits, hm, jnp.asarray(count),
-                  jnp.asarray(done))
+    x_, p_, count_, done_ = model.commit((x, lens.astype(np.int32), count, done))
+    carry = Carry(x_, p_, mlogits, hm, count_, done_)
     stats = SpecStats(k)
     stops, max_new_d = jnp.asarray(stops), jnp.asarray(max_new)
     while not done.all():

@@ -191,4 +191,6 @@ def iterations(params, state, mstate, carry, sb, stops, max_new, *, n, k, config
         return (state, mstate, carry), (emitted, a)
 
     (state, mstate, carry), (emitted, a) = jax.lax.scan(body, (state, mstate, carry), None, length=n)
+    if layout is not None:      # placed as Model.commit places the first call's carry: one program for every call
+        carry = layout.constrain_batch(carry)
     return state, mstate, carry, emitted, a

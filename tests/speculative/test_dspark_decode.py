@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jdeep
-from conftest import golden_path
+from conftest import assert_each_program_compiled_once_since, compiled_variants, golden_path
 from jdeep import SamplingParams
 from jdeep.model.dspark import empty_dspark_state
 from jdeep.runtime.steps import batch_bucket, length_bucket
@@ -139,8 +139,10 @@ def test_generate_with_dspark_greedy_and_sampled_requests(model, prompts, plain)
         for b, c in enumerate(chunks):
             streamed[b] += c
 
+    before = compiled_variants()
     out = jdeep.generate(model, [p.tolist() for p in prompts], sampling=sp, ignore_eos=True, stream=stream,
                          speculative={"method": "dspark", "num_speculative_tokens": 1})
+    assert_each_program_compiled_once_since(before)
     np.testing.assert_array_equal(out.tokens[[0, 2]], plain[[0, 2]])
     assert out.lengths.tolist() == [N_NEW] * 3 and streamed == out.tokens.tolist()
     assert ((out.tokens[1] >= 0) & (out.tokens[1] < model.config.vocab_size)).all()

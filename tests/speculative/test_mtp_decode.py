@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jdeep
-from conftest import golden_path
+from conftest import assert_each_program_compiled_once_since, compiled_variants, golden_path
 from jdeep import SamplingParams
 from jdeep.model.scan import model_step
 from jdeep.runtime.sampling import batch_params
@@ -62,8 +62,10 @@ def test_greedy_speculation_equals_plain_greedy(models, quantized, ks):
     # the notebook entry point: the same tokens (and texts), with EOS handling and per-request lengths
     sp = [SamplingParams(max_new_tokens=m) for m in max_new]
     plain = jdeep.generate(model, [p.tolist() for p in prompts], sampling=sp)
+    before = compiled_variants()
     spec = jdeep.generate(model, [p.tolist() for p in prompts], sampling=sp,
                           speculative={"method": "mtp", "num_speculative_tokens": 2})
+    assert_each_program_compiled_once_since(before)
     np.testing.assert_array_equal(spec.tokens, plain.tokens)
     assert spec.texts == plain.texts and spec.lengths.tolist() == plain.lengths.tolist()
 
