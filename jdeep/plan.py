@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .config import AttentionKind, ModelConfig
 
 __all__ = ["LayerKind", "Segment", "LayerPlan", "build_plan", "mtp_depths", "mtp_kind", "dspark_stages",
-           "dspark_kind", "dspark_stage_config"]
+           "dspark_kind", "dspark_stage_config", "dspark_tap_layers"]
 
 MAX_PERIOD = 6
 
@@ -202,3 +202,14 @@ def build_plan(config: ModelConfig, max_period: int = MAX_PERIOD, mtp: bool = Fa
             raise ValueError(f"this model has {what} (num_nextn_predict_layers={config.n_mtp_layers}): "
                              "mtp=True needs DeepSeek-V4's MTP blocks or DeepSeek-V4.1's DSpark stages")
     return LayerPlan(tuple(segments), mtp_segment, dspark_segment)
+
+
+def dspark_tap_layers(config: ModelConfig) -> tuple[int, ...]:
+    """The DSpark drafter's target layers (model_step(taps=True)); ValueError for a model without them."""
+    if config.dspark is None or not config.dspark.target_layer_ids:
+        raise ValueError("taps=True reads the DSpark drafter's target layers (dspark_target_layer_ids); this model "
+                         "has none")
+    bad = [i for i in config.dspark.target_layer_ids if not 0 <= i < config.n_layers]
+    if bad:
+        raise ValueError(f"dspark_target_layer_ids {bad} are not backbone layers [0, {config.n_layers})")
+    return tuple(sorted(set(config.dspark.target_layer_ids)))   # DeepSeek appends them while walking the layers

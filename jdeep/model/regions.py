@@ -34,7 +34,7 @@ from ..layers.chunk import make_chunk
 from ..layers.head import embed_streams, head_keys, head_logits, require_engram
 from ..layers.rope import inv_freq
 from ..numerics import Numerics
-from ..plan import LayerKind, LayerPlan
+from ..plan import LayerKind, LayerPlan, dspark_tap_layers
 from ..state import put_slot_window, slot_window, source_index
 from .cache import PROGRAMS, ProgramCache
 
@@ -87,8 +87,10 @@ def _constrain_state(state, layout):
 
 
 def _attention(state, p, layer, row, streams, engram, engram_index, tokens, positions, *, config, numerics, kind,
-               freqs, layout=None):
-    """The attention half of one layer of `kind`: state = (this kind's stacked slot state, the shared caches)."""
+               freqs, layout=None, tap=False):
+    """The attention half of one layer of `kind`: state = (this kind's stacked slot state, the shared caches).
+    tap: the output is (streams, the DSpark tap [B, S, d]: the mean over the streams entering the layer after its
+    Engram update, as model_step(taps=True) takes it)."""
     st, sources = state
     layer = _clamp(layer, _reps(st))
     if row is not None:
@@ -98,8 +100,13 @@ def _attention(state, p, layer, row, streams, engram, engram_index, tokens, posi
         engram_index = _clamp(engram_index, engram[0].shape[0])
         rows = tuple(jax.lax.dynamic_index_in_dim(a, engram_index, keepdims=False) for a in engram)
     chunk = make_chunk(tokens, positions, config.vocab_size)
+    seen = [] if tap and kind.engram else None
+    entering = streams.X
     streams, st, sources = attention_half(_layer_view(p, layer), st, sources, layer, row, streams, rows, chunk,
-                                          config=config, numerics=numerics, kind=kind, freqs=freqs)
+                                          config=config, numerics=numerics, kind=kind, freqs=freqs, record=seen)
+    if tap:
+        X = seen[0] if kind.engram else entering
+        streams = (streams, jnp.mean(X, axis=2).astype(X.dtype))
     return streams, _constrain_state((st, sources), layout)
 
 
@@ -110,7 +117,8 @@ def _ffn(p, experts, layer, streams, tokens, positions, *, config, numerics, has
                     hash_moe=hash_moe, delayed_premix=delayed_premix, layout=layout)
 
 
-def _make_program(name, config, plan, numerics, rows, kind, hash_moe, all_logits, layout, hidden=False) -> Callable:
+def _make_program(name, config, plan, numerics, rows, kind, hash_moe, all_logits, layout, hidden=False,
+                  tap=False) -> Callable:
     if name == "embed":
         return jax.jit(lambda table, tokens, embeds: embed_streams(table, tokens, embeds, config=config, plan=plan))
     if name == "head":
@@ -119,11 +127,13 @@ def _make_program(name, config, plan, numerics, rows, kind, hash_moe, all_logits
             logits = lambda *a, _f=logits: layout.constrain_replicated(_f(*a))
         if hidden:                  # also the final streams X [B, S, n, d] (what the MTP drafter reads)
             return jax.jit(lambda p, s, positions: (logits(p, s, positions), s.X))
+        if tap:                     # also the DSpark taps, concatenated in layer order: [B, S, n_taps * d]
+            return jax.jit(lambda p, s, positions, taps: (logits(p, s, positions), jnp.concatenate(taps, axis=-1)))
         return jax.jit(logits)
     if name == "attn":      # state first (donated), returned as (out, state)
         freqs = inv_freq(config.rope_for(kind.attn), config.rope_head_dim)
         fn = _rows(rows, functools.partial(_attention, config=config, numerics=numerics, kind=kind, freqs=freqs,
-                                           layout=layout))
+                                           layout=layout, tap=tap))
         if layout is not None and rows is not None:      # the whole state written back keeps its layout too
             inner = fn
 
@@ -146,16 +156,22 @@ def n_compiled(config: ModelConfig, numerics: Numerics, cache: ProgramCache = PR
 class RegionsStep:
     """`step(params, state, tokens, positions, engram=None, embeds=None) -> (logits, state)` in the regions
     mode, for one (architecture, numerics, logits mode, rows bucket). state is donated (consumed). With `hidden`
-    the first output is (logits, the final streams X [B, S, n, d]), as model_step(hidden=True) returns them.
+    the first output is (logits, the final streams X [B, S, n, d]), as model_step(hidden=True) returns them; with
+    `taps` (V4.1 with DSpark) (logits, main_hidden [B, S, n_taps*d]), as model_step(taps=True): the target layers'
+    attention programs have a variant that also returns the layer's tap.
 
     embeds: host-gathered token embeddings [B, S, d] (host-resident embedding; params then need no
     "embed"). `programs(...)` lists the distinct compiled programs one step calls (for export and checks).
     """
 
     def __init__(self, config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool,
-                 rows: int | None = None, layout=None, cache: ProgramCache = PROGRAMS, hidden: bool = False):
+                 rows: int | None = None, layout=None, cache: ProgramCache = PROGRAMS, hidden: bool = False,
+                 taps: bool = False):
+        if hidden and taps:
+            raise ValueError("a regions step returns the final streams (hidden) or the DSpark taps, not both")
         self.config, self.plan, self.numerics, self.all_logits, self.rows = config, plan, numerics, all_logits, rows
         self.layout, self.cache, self.hidden = layout, cache, hidden
+        self.tap_layers = dspark_tap_layers(config) if taps else ()
         self._index = {}
 
     def _scalar(self, i: int) -> jax.Array:
@@ -163,15 +179,16 @@ class RegionsStep:
             self._index[i] = jax.device_put(np.int32(i)) if self.layout is None else self.layout.put(np.int32(i))
         return self._index[i]
 
-    def _fn(self, name: str, kind: LayerKind | None = None, hash_moe: bool = False) -> Callable:
-        """One jitted region program, shared by every model and step with the same architecture, bucket and layout."""
+    def _fn(self, name: str, kind: LayerKind | None = None, hash_moe: bool = False, tap: bool = False) -> Callable:
+        """One jitted region program, shared by every model and step with the same architecture, bucket and layout.
+        tap: the attention program's variant that also returns the layer's DSpark tap (the head's that takes them)."""
         rows = self.rows if name == "attn" else None
         all_logits = self.all_logits if name == "head" else False
         hidden = self.hidden and name == "head"
         key = ("region", name, self.config, self.plan, self.numerics, rows, kind, hash_moe, all_logits, self.layout) \
-            + (("hidden",) if hidden else ())
+            + (("hidden",) if hidden else ()) + (("tap",) if tap else ())
         return self.cache.get(key, lambda: _make_program(name, self.config, self.plan, self.numerics, rows, kind,
-                                                         hash_moe, all_logits, self.layout, hidden))
+                                                         hash_moe, all_logits, self.layout, hidden, tap))
 
     def __call__(self, params, state, tokens, positions, engram=None, embeds=None, start=None):
         """start: the first slot of the step's window of `rows` slots (an int32 scalar; None: slot 0)."""
@@ -201,6 +218,7 @@ class RegionsStep:
         window = () if self.rows is None else (start,)
         require_engram(plan, engram)
         s = call("embed", self._fn("embed"), params.get("embed"), tokens, embeds)
+        taps = {}
         sources = state["sources"]
         segments = [list(seg) for seg in state["segments"]]
         for i, seg in enumerate(plan.segments):
@@ -213,20 +231,28 @@ class RegionsStep:
                     li = seg.layer(r, j)
                     row = self._scalar(source_index(config, li)[1]) if kind.shared is not None else None
                     k = self._scalar(config.engram.layer_ids.index(li)) if kind.engram else None
+                    tap = li in self.tap_layers
                     s, (segments[i][j], sources) = call(
-                        f"attn.{tag}", self._fn("attn", kind=kind), (segments[i][j], sources), pa, layer, row, s,
-                        engram if kind.engram else None, k, tokens, positions, *window)
+                        f"attn.{tag}" + (".tap" if tap else ""), self._fn("attn", kind=kind, tap=tap),
+                        (segments[i][j], sources), pa, layer, row, s, engram if kind.engram else None, k, tokens,
+                        positions, *window)
+                    if tap:
+                        s, taps[li] = s
                     moe = "hash" if kind.hash_moe else "topk"
                     published = s.published        # the MoE half neither reads nor changes it
                     s = call(f"ffn.{moe}.r{seg.reps}", self._fn("ffn", hash_moe=kind.hash_moe), pf, experts, layer,
                              s._replace(published=None), tokens, positions)._replace(published=published)
-        logits = call("head", self._fn("head"), {k: params[k] for k in head_keys(plan)},
-                      s._replace(published=None), positions)
+        head = {k: params[k] for k in head_keys(plan)}
+        if self.tap_layers:
+            logits = call("head.taps", self._fn("head", tap=True), head, s._replace(published=None), positions,
+                          tuple(taps[li] for li in self.tap_layers))
+        else:
+            logits = call("head", self._fn("head"), head, s._replace(published=None), positions)
         return logits, {"segments": segments, "sources": sources}
 
 
 def regions_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_logits: bool,
                  rows: int | None = None, layout=None, cache: ProgramCache = PROGRAMS,
-                 hidden: bool = False) -> RegionsStep:
-    return cache.get(("regions_step", config, plan, numerics, all_logits, rows, layout, hidden),
-                     lambda: RegionsStep(config, plan, numerics, all_logits, rows, layout, cache, hidden))
+                 hidden: bool = False, taps: bool = False) -> RegionsStep:
+    return cache.get(("regions_step", config, plan, numerics, all_logits, rows, layout, hidden, taps),
+                     lambda: RegionsStep(config, plan, numerics, all_logits, rows, layout, cache, hidden, taps))

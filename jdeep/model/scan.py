@@ -22,7 +22,7 @@ from ..layers.chunk import make_chunk
 from ..layers.head import embed_streams, head_keys, head_logits, require_engram
 from ..layers.rope import inv_freq
 from ..numerics import Numerics
-from ..plan import LayerPlan, Segment
+from ..plan import LayerPlan, Segment, dspark_tap_layers
 from ..state import source_index
 
 __all__ = ["model_step", "slot_params"]
@@ -125,7 +125,7 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     require_engram(plan, engram)
     chunk = make_chunk(tokens, positions, config.vocab_size)
     s = embed_streams(params.get("embed"), chunk.tokens, embeds, config=config, plan=plan)
-    tap_layers = _tap_layers(config) if taps else ()
+    tap_layers = dspark_tap_layers(config) if taps else ()
     tapped = jnp.zeros(tokens.shape + (len(tap_layers), config.dim), s.X.dtype) if taps else None
     sources = state["sources"]
     segments = []
@@ -167,14 +167,3 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     if taps:
         outputs += (tapped.reshape(tapped.shape[:2] + (-1,)),)
     return outputs
-
-
-def _tap_layers(config: ModelConfig) -> tuple[int, ...]:
-    """The DSpark drafter's target layers (model_step(taps=True)); ValueError for a model without them."""
-    if config.dspark is None or not config.dspark.target_layer_ids:
-        raise ValueError("taps=True reads the DSpark drafter's target layers (dspark_target_layer_ids); this model "
-                         "has none")
-    bad = [i for i in config.dspark.target_layer_ids if not 0 <= i < config.n_layers]
-    if bad:
-        raise ValueError(f"dspark_target_layer_ids {bad} are not backbone layers [0, {config.n_layers})")
-    return tuple(sorted(set(config.dspark.target_layer_ids)))   # DeepSeek appends them while walking the layers

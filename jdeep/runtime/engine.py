@@ -106,8 +106,8 @@ class Engine:
         self.max_len = max_len
         if max_num_batched_tokens is None:
             max_num_batched_tokens = default_batched_tokens(self.n_slots * decode_width, prefill_chunk)
-        mode = "pool" if model.engram is not None else "prefix" if model.layout is not None else "aligned"
-        self.scheduler = Scheduler(self.n_slots, max_num_batched_tokens, prefill_chunk, mode, decode_width)
+        self.scheduler = Scheduler(self.n_slots, max_num_batched_tokens, prefill_chunk, self._window_mode(model),
+                                   decode_width)
         self.chunk = self.scheduler.max_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
         self.seed = seed
@@ -268,17 +268,22 @@ class Engine:
             self._last[dst] = self._last[src]
             self.totals["slot_moves"] += 1
 
+    def _window_mode(self, model: Model) -> str:
+        """How the scheduler picks the slots a program steps (scheduler.py): the whole pool for models with Engram
+        (their host-side histories are per pool row), windows starting at slot 0 on a mesh, else aligned windows."""
+        return "pool" if model.engram is not None else "prefix" if model.layout is not None else "aligned"
+
     def _cache_len(self) -> int:
         """The decode state's length: max_len rounded up to a bucket."""
         return length_bucket(self.max_len, 256)
 
     def _reset_slots(self, mask: np.ndarray) -> None:
-        """Empty the device state of the slots where mask [n_slots] is True."""
-        self.state = _reset(self.state, self.model.put(mask))
+        """Empty the device state of the slots where mask [n_slots] is True (one program; the state donated)."""
+        self.state = PROGRAMS.jit(reset_slots, donate_argnums=(0,))(self.state, self.model.put(mask))
 
     def _move_slot(self, src, dst) -> None:
-        """Copy slot src's device state over slot dst (int32 scalars placed on the device)."""
-        self.state = _move(self.state, src, dst)
+        """Copy slot src's device state over slot dst (int32 scalars placed on the device; the state donated)."""
+        self.state = PROGRAMS.jit(move_slot, donate_argnums=(0,))(self.state, src, dst)
 
     def _sampling_row(self, slot: _Slot) -> SamplingBatch:
         """One request's sampling values and PRNG key as a 1-row host batch (host work for one request)."""
@@ -430,16 +435,6 @@ def default_batched_tokens(n_slots: int, prefill_chunk: int) -> int:
     prompt prefills at full chunk length while every slot decodes (the streams' inter-token latency is then about
     one decode step plus one chunk; a smaller --max-num-batched-tokens trades the prompt's TTFT for it)."""
     return n_slots + max(MIN_BUCKET, floor_pow2(prefill_chunk))
-
-
-def _move(state: dict, src, dst) -> dict:
-    """The state with slot src copied over slot dst (int32 scalars; one program; the state donated)."""
-    return PROGRAMS.jit(move_slot, donate_argnums=(0,))(state, src, dst)
-
-
-def _reset(state: dict, mask) -> dict:
-    """The state with the slots where mask [n_slots] is True emptied (one program; the state donated)."""
-    return PROGRAMS.jit(reset_slots, donate_argnums=(0,))(state, mask)
 
 
 def _as_ids(prompt) -> list[int]:

@@ -38,30 +38,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..model.cache import PROGRAMS
-from ..model.dspark import dspark_append, dspark_draft, empty_dspark_state, greedy_choice
+from ..model.dspark import empty_dspark_state
 from ..model.model import Model
-from ..model.scan import model_step
-from ..runtime.sampling import SamplingBatch, SamplingParams, batch_params, sample
+from ..runtime.sampling import SamplingParams, batch_params
 from ..runtime.steps import batch_bucket, length_bucket
-from . import undo
-from .acceptance import accept, accept_greedy, argmax_ids, distribution, draw, emit
+from .dspark_iteration import Carry, draft, iterations, prefill_chunk, verify
+from .dspark_regions import RegionsPrograms
 from .mtp_decode import SpecStats, block_length, state_len, take_block
 
-__all__ = ["Carry", "Final", "check_dspark_model", "check_k", "dspark_generate", "run", "run_full", "prefill_chunk",
-           "draft", "verify", "iteration", "ring_entries", "dead_tokens",
-           "draft_program", "verify_program"]
-
-_DRAFT_TAG, _ACCEPT_TAG = 1, 1000
-
-
-class Carry(NamedTuple):
-    """Per-row state besides the caches: x int32 [B] (last accepted token, at position p, not in the target state),
-    p int32 [B], count int32 [B] (tokens generated), done bool [B]."""
-
-    x: jax.Array
-    p: jax.Array
-    count: jax.Array
-    done: jax.Array
+__all__ = ["Final", "check_dspark_model", "check_k", "dspark_generate", "run", "run_full", "dead_tokens",
+           "prefill_program", "draft_program", "verify_program", "iterations_program"]
 
 
 class Final(NamedTuple):
@@ -80,9 +66,9 @@ def check_dspark_model(model: Model) -> None:
     if model.plan.dspark is None:
         raise ValueError("speculative decoding with method 'dspark' needs the checkpoint's DSpark stages loaded: "
                          "jdeep.load(path, mtp=True)")
-    if model.compile_mode != "scan" or model.host_embed is not None or model.layout is not None:
-        raise ValueError("DSpark speculative decoding runs in the scan compile mode on one device with the embedding "
-                         "on the device so far (not the regions mode, host embedding or a mesh)")
+    if model.host_embed is not None or model.layout is not None:
+        raise ValueError("DSpark speculative decoding runs on one device with the embedding on the device so far (not "
+                         "with host embedding or on a mesh)")
 
 
 def check_k(model: Model, k: int) -> None:
@@ -91,110 +77,6 @@ def check_k(model: Model, k: int) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= block:
         raise ValueError(f"num_speculative_tokens for 'dspark' must lie in [1, {block}] (the checkpoint's "
                          f"dspark_block_size {block}: the drafter drafts one block per iteration), got {k!r}")
-
-
-def ring_entries(state: dict) -> int:
-    """The shortest ring of a target state (entries less the scratch row): how many consecutive positions one
-    target step may run and still be undone (undo.py)."""
-    sizes = []
-
-    def visit(d):
-        sizes.extend(v.shape[2] - 1 for name, v in d.items() if name in undo.RINGS)
-
-    for seg in state["segments"]:
-        for slot in seg:
-            visit(slot)
-    for d in state["sources"].values():
-        visit(d)
-    return min(sizes)
-
-
-def prefill_chunk(params, state, dstate, tokens, positions, engram, sb, *, config, plan, numerics,
-                  greedy: bool = False):
-    """A prompt chunk through the target with the DSpark taps, then every position into the drafter's windows.
-    tokens, positions int32 [B, S] (-1 = padding). Returns (first token int32 [B], drawn from the logits at each
-    row's last real position exactly as plain decoding draws it (runtime/sampling.sample, step 0), state, dstate);
-    the first token means something only for rows whose prompt ends in this chunk. greedy: every row is greedy (the
-    argmax without the sampler's noise: the same token, and no PRNG in the program)."""
-    logits, state, taps = model_step(params, state, tokens, positions, engram, config=config, plan=plan,
-                                     numerics=numerics, taps=True)
-    first = argmax_ids(logits) if greedy else sample(logits, sb, jnp.zeros(tokens.shape[:1], jnp.int32))
-    dstate = dspark_append(params, dstate, taps, positions, config=config, plan=plan, numerics=numerics)
-    return first, state, dstate
-
-
-def draft(params, dstate, carry: Carry, sb: SamplingBatch, *, config, plan, numerics, greedy: bool = False):
-    """The drafter's block after each row's x: (drafts int32 [B, block], q fp32 [B, block, V] the distribution each
-    draft was drawn from; None for a greedy program). Draft j is drawn with key (count, _DRAFT_TAG + j)."""
-    x, p, count, _ = carry
-    if greedy:
-        choose = greedy_choice
-    else:
-        def choose(logits, j):
-            return draw(distribution(logits[:, None], sb)[:, 0], sb, count, _DRAFT_TAG + j)
-    ids, logits, _ = dspark_draft(params, dstate, x, p, config=config, plan=plan, numerics=numerics, choose=choose)
-    return ids, (None if greedy else distribution(logits, sb))
-
-
-def verify(params, state, dstate, carry: Carry, drafts, q, sb: SamplingBatch, stops, max_new, engram=None, *, k,
-           config, plan, numerics, greedy: bool = False):
-    """Verify the first k drafts (drafts int32 [B, >=k], q fp32 [B, >=k, V] or None for greedy), emit, restore the
-    target state, append the kept positions to the drafter's windows. engram: the rows of [x, d_1..d_k] at
-    p .. p+k ([n_eng, B, k+1, ...], models with Engram). stops int32 [B, W] (-1 = unused), max_new int32 [B].
-    Returns (state, dstate, carry, emitted int32 [B, k+1] (-1 past what the row emits), accepted int32 [B] (-1 for
-    rows that were done), kept int32 [B] (positions p .. p+kept-1 entered the state: 0 for done rows))."""
-    x, p, count, done = carry
-    live = ~done
-    drafts = jnp.clip(drafts[:, :k], 0, config.vocab_size - 1)       # (indices from an input: Neuron's S12)
-    offs = jnp.arange(k + 1, dtype=jnp.int32)
-    pos = jnp.where(live[:, None], p[:, None] + offs[None, :], -1)                     # [B, k+1]
-    tokens = jnp.concatenate([x[:, None], drafts], axis=1)                             # [B, k+1]
-    split = min(ring_entries(state), k + 1)
-    logs, logits, taps = [], [], []
-    for s0 in range(0, k + 1, split):
-        sl = slice(s0, min(s0 + split, k + 1))
-        index = undo.entry_index(state, plan, pos[:, sl])
-        logs.append((sl, index, undo.save(state, index)))
-        eg = None if engram is None else tuple(e[:, :, sl] for e in engram)
-        lg, state, tp = model_step(params, state, tokens[:, sl], pos[:, sl], eg, config=config, plan=plan,
-                                   numerics=numerics, all_logits=True, taps=True)
-        logits.append(lg)
-        taps.append(tp)
-    logits, taps = jnp.concatenate(logits, axis=1), jnp.concatenate(taps, axis=1)
-    if greedy:
-        g, a = accept_greedy(drafts, logits)
-    else:
-        g, a = accept(drafts, q[:, :k], distribution(logits, sb), sb, count, _ACCEPT_TAG)
-    n, rejected, emitted, count, ended = emit(g, a, stops, max_new, count, live)
-    # the state keeps positions p .. p+n-1 (x and the emitted tokens but the last), as plain decoding's would
-    for sl, index, saved in reversed(logs):
-        state = undo.restore(state, saved, index, rejected[:, sl])
-    dstate = dspark_append(params, dstate, taps, jnp.where(rejected, -1, pos), config=config, plan=plan,
-                           numerics=numerics)
-    done = done | ended
-    nxt = jnp.take_along_axis(g, jnp.clip(a, 0, k)[:, None], axis=1)[:, 0]          # (clamped index: S12)
-    carry = Carry(jnp.where(live, nxt, x), jnp.where(live, p + a + 1, p), count, done)
-    return state, dstate, carry, emitted, jnp.where(live, a, -1), n
-
-
-def iteration(params, state, dstate, carry, sb, stops, max_new, *, k, config, plan, numerics, greedy=False):
-    """draft then verify in one program (models without Engram layers)."""
-    kw = dict(config=config, plan=plan, numerics=numerics, greedy=greedy)
-    drafts, q = draft(params, dstate, carry, sb, **kw)
-    return verify(params, state, dstate, carry, drafts, q, sb, stops, max_new, None, k=k, **kw)
-
-
-def iterations(params, state, dstate, carry, sb, stops, max_new, *, n, k, config, plan, numerics, greedy=False):
-    """n iterations as one scan (no Engram): (state, dstate, carry, emitted int32 [n, B, k+1], accepted [n, B])."""
-    step = functools.partial(iteration, k=k, config=config, plan=plan, numerics=numerics, greedy=greedy)
-
-    def body(c, _):
-        state, dstate, carry = c
-        state, dstate, carry, emitted, a, _ = step(params, state, dstate, carry, sb, stops, max_new)
-        return (state, dstate, carry), (emitted, a)
-
-    (state, dstate, carry), (emitted, a) = jax.lax.scan(body, (state, dstate, carry), None, length=n)
-    return state, dstate, carry, emitted, a
 
 
 def _kw(model: Model) -> dict:
@@ -275,7 +157,9 @@ def run_full(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_si
     stops = np.full((Bb, width), -1, np.int32)
     for b, s in enumerate(stop_ids):
         stops[b, :len(s)] = s
-    prefill = prefill_program(model, all(s.temperature == 0 for s in sampling))
+    greedy = all(s.temperature == 0 for s in sampling)
+    rp = RegionsPrograms(model, k, greedy) if model.compile_mode == "regions" else None
+    prefill = prefill_program(model, greedy) if rp is None else rp.prefill
     first = None
     for start in range(0, int(lens.max()), prefill_chunk_size):
         S = length_bucket(min(prefill_chunk_size, int(lens.max()) - start))
@@ -298,20 +182,29 @@ def run_full(model: Model, prompts, sampling, stop_ids, k: int, prefill_chunk_si
     done[list(ended)] = True
     carry = Carry(*model.commit((x, lens.astype(np.int32), count, done)))
     stats = SpecStats(k)
-    greedy = all(s.temperature == 0 for s in sampling)
     stops, max_new_d = jnp.asarray(stops), jnp.asarray(max_new)
     offs = np.arange(k + 1, dtype=np.int32)
     while not done.all():
-        if history is not None:
-            # Engram: a host step per iteration (the rows of the drafts are gathered once the drafts are known)
-            drafts, q = draft_program(model, greedy)(model.params, dstate, carry, sb)
-            x_h, p_h = np.asarray(carry.x), np.asarray(carry.p)
-            tokens = np.concatenate([x_h[:, None], np.asarray(drafts)[:, :k]], axis=1).astype(np.int32)
-            pos = np.where(done[:, None], -1, p_h[:, None] + offs[None, :]).astype(np.int32)
-            engram = model.engram_inputs(history.copy(), tokens, pos)
-            state, dstate, carry, emitted, a, kept = verify_program(model, k, greedy)(
-                model.params, state, dstate, carry, drafts, q, sb, stops, max_new_d, engram)
-            history.advance(tokens, np.asarray(kept), dead_tokens(model, tokens))
+        if history is not None or rp is not None:
+            # a host step per iteration: Engram rows of the drafts are gathered once the drafts are known; the
+            # regions mode's programs are called from the host
+            drafts, q = (draft_program(model, greedy) if rp is None else rp.drafts)(model.params, dstate, carry, sb)
+            if history is not None:
+                x_h, p_h = np.asarray(carry.x), np.asarray(carry.p)
+                tokens = np.concatenate([x_h[:, None], np.asarray(drafts)[:, :k]], axis=1).astype(np.int32)
+                pos = np.where(done[:, None], -1, p_h[:, None] + offs[None, :]).astype(np.int32)
+                seen = history.copy()
+            if rp is None:
+                state, dstate, carry, emitted, a, kept = verify_program(model, k, greedy)(
+                    model.params, state, dstate, carry, drafts, q, sb, stops, max_new_d,
+                    model.engram_inputs(seen, tokens, pos))
+            else:
+                engram = None if history is None else [model.engram_inputs(seen, tokens[:, sl], pos[:, sl])
+                                                       for sl in rp.slices(state)]
+                state, dstate, carry, emitted, a, kept = rp.verify(model.params, state, dstate, carry, drafts, q, sb,
+                                                                   stops, max_new_d, engram)
+            if history is not None:
+                history.advance(tokens, np.asarray(kept), dead_tokens(model, tokens))
             emitted, a = np.asarray(emitted)[None], np.asarray(a)[None]
         else:
             n = block_length(stats, done, max_new, count, block_iterations)

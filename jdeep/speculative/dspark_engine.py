@@ -1,7 +1,7 @@
 """The Engine with DSpark speculative decoding (DeepSeek-V4.1's drafter, dspark_decode.py): each iteration every
 decoding request drafts a block after its last token, the target verifies the first k drafts (one step, or
-consecutive steps where a ring is shorter than k + 1: dspark_decode.verify) and the request takes up to k + 1 tokens;
-prefill chunks also write every prompt position into the drafter's windows (dspark_decode.prefill_chunk).
+consecutive steps where a ring is shorter than k + 1: dspark_iteration.verify) and the request takes up to k + 1 tokens;
+prefill chunks also write every prompt position into the drafter's windows (dspark_iteration.prefill_chunk).
 
 Besides the Engine's target state the pool holds the drafter's windows (`dstate`, per slot). The host keeps each
 request's last token, position and count (the Engine's bookkeeping), checks stop ids, max_new_tokens and stop
@@ -11,7 +11,8 @@ Without Engram layers an iteration is one program per window of slots (draft the
 and warm-up the Engine's. With Engram layers the whole pool steps (as in the plain engine) and an iteration is two
 programs with a host step between, as in dspark_decode: the draft program; the host gathers the Engram rows of
 [x, d_1..d_k] from a copy of the pool's n-gram histories; the verify program; then the histories advance by the
-kept tokens only, so they always equal plain decoding's.
+kept tokens only, so they always equal plain decoding's. In the regions compile mode the whole pool steps too, through
+dspark_regions.RegionsPrograms (the draft, per target step the undo log and the regions step, the finish).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from ..runtime.scheduler import Iteration
 from ..runtime.steps import length_bucket, pack_chunk
 from ..state import move_slot, put_slot_window, slot_window, zero_slots
 from .config import parse_speculative
-from .dspark_decode import (Carry, check_dspark_model, check_k, dead_tokens, draft_program, iteration,
-                            prefill_chunk, verify_program)
+from .dspark_decode import check_dspark_model, check_k, dead_tokens, draft_program, verify_program
+from .dspark_iteration import Carry, iteration, prefill_chunk
+from .dspark_regions import RegionsPrograms
 from .mtp_decode import SpecStats
 
 __all__ = ["DSparkEngine"]
@@ -75,9 +77,19 @@ class DSparkEngine(Engine):
                              "engine of a method)")
         check_dspark_model(model)
         check_k(model, self.k)
+        self._regions = {}
         super().__init__(model, decode_width=self.k + 1, **kw)
         self.spec_stats = SpecStats(self.k)
         self._alloc_drafter()
+
+    def _window_mode(self, model: Model) -> str:
+        # the regions mode's DSpark programs step the whole pool, as models with Engram do
+        return "pool" if model.compile_mode == "regions" else super()._window_mode(model)
+
+    def _regions_programs(self, greedy: bool) -> RegionsPrograms:
+        if greedy not in self._regions:
+            self._regions[greedy] = RegionsPrograms(self.model, self.k, greedy)
+        return self._regions[greedy]
 
     def _cache_len(self) -> int:
         # a request near max_len still verifies k + 1 positions
@@ -111,19 +123,31 @@ class DSparkEngine(Engine):
         """One iteration over slots [start, start + rows) from host arrays x, p, count int32 [rows], live bool
         [rows]. Returns (emitted int32 [rows, k+1], accepted int32 [rows]) on the host."""
         m, put = self.model, self.model.put
-        if self.history is None:
+        rp = self._regions_programs(greedy) if m.compile_mode == "regions" else None
+        if self.history is None and rp is None:
             self.state, self.dstate, emitted, a = self._program(_decode_window, rows, k=self.k, greedy=greedy)(
                 m.params, self.state, self.dstate, put(x), put(p), put(count), put(live), sb, put(np.int32(start)))
             return m.fetch(emitted), m.fetch(a)
-        carry = Carry(put(x), put(p), put(count), put(~live))     # Engram: the whole pool (start 0, rows n_slots)
-        drafts, q = draft_program(m, greedy)(m.params, self.dstate, carry, sb)
-        tokens = np.concatenate([x[:, None], m.fetch(drafts)[:, :self.k]], axis=1).astype(np.int32)
-        pos = np.where(live[:, None], p[:, None] + np.arange(self.k + 1, dtype=np.int32)[None, :], -1)
-        engram = m.engram_inputs(self.history.copy(), tokens, pos)
+        # the whole pool (start 0, rows n_slots): Engram rows gathered between the draft and the verify, or the
+        # regions mode's programs
+        carry = Carry(put(x), put(p), put(count), put(~live))
+        drafts, q = (draft_program(m, greedy) if rp is None else rp.drafts)(m.params, self.dstate, carry, sb)
+        if self.history is not None:
+            tokens = np.concatenate([x[:, None], m.fetch(drafts)[:, :self.k]], axis=1).astype(np.int32)
+            pos = np.where(live[:, None], p[:, None] + np.arange(self.k + 1, dtype=np.int32)[None, :], -1)
+            seen = self.history.copy()
         stops, max_new = _no_stops(rows)
-        self.state, self.dstate, _, emitted, a, kept = verify_program(m, self.k, greedy)(
-            m.params, self.state, self.dstate, carry, drafts, q, sb, stops, max_new, engram)
-        self.history.advance(tokens, m.fetch(kept), dead_tokens(m, tokens))
+        if rp is None:
+            self.state, self.dstate, _, emitted, a, kept = verify_program(m, self.k, greedy)(
+                m.params, self.state, self.dstate, carry, drafts, q, sb, stops, max_new,
+                m.engram_inputs(seen, tokens, pos))
+        else:
+            engram = None if self.history is None else [m.engram_inputs(seen, tokens[:, sl], pos[:, sl])
+                                                        for sl in rp.slices(self.state)]
+            self.state, self.dstate, _, emitted, a, kept = rp.verify(m.params, self.state, self.dstate, carry, drafts,
+                                                                     q, sb, stops, max_new, engram)
+        if self.history is not None:
+            self.history.advance(tokens, m.fetch(kept), dead_tokens(m, tokens))
         return m.fetch(emitted), m.fetch(a)
 
     def _run_prefill(self, rows: int, start: int, toks: np.ndarray, pos: np.ndarray, sb: SamplingBatch, greedy: bool,
@@ -132,8 +156,12 @@ class DSparkEngine(Engine):
         rows and advances). Returns the first tokens int32 [rows] on the host."""
         m, put = self.model, self.model.put
         engram = m.engram_inputs(history, toks, pos)
-        self.state, self.dstate, first = self._program(_prefill_window, rows, greedy=greedy)(
-            m.params, self.state, self.dstate, put(toks), put(pos), engram, sb, put(np.int32(start)))
+        if m.compile_mode == "regions":          # the whole pool
+            first, self.state, self.dstate = self._regions_programs(greedy).prefill(
+                m.params, self.state, self.dstate, put(toks), put(pos), engram, sb)
+        else:
+            self.state, self.dstate, first = self._program(_prefill_window, rows, greedy=greedy)(
+                m.params, self.state, self.dstate, put(toks), put(pos), engram, sb, put(np.int32(start)))
         return m.fetch(first)
 
     def _decode(self, it: Iteration) -> list[RequestOutput]:
@@ -174,7 +202,7 @@ class DSparkEngine(Engine):
         history changes). Returns the number of programs run (the draft and the verify count apart with Engram)."""
         counts = dict(self.steps_per_bucket)
         self._reset_slots(np.zeros(self.n_slots, bool))
-        n_run, per_decode = 0, 1 if self.history is None else 2
+        n_run, per_decode = 0, 1 if self.history is None and self.model.compile_mode == "scan" else 2
         for n in self.scheduler.decode_programs():
             z = np.zeros(n, np.int32)
             sb = self._host_batch([SamplingParams()] * n)

@@ -63,8 +63,10 @@ def save(state: Any, index: Any) -> Any:
 
 
 def restore(state: Any, undo: Any, index: Any, rejected: jax.Array) -> Any:
-    """`state` with the entries of the rejected positions (bool [B, K]) set back to their saved values."""
+    """`state` with the entries of the rejected positions (bool [B, K]) set back to their saved values. The index is
+    clamped again: the regions mode computes it in another program, so here it is an input (Neuron's S12)."""
     def put(a, u, i):
-        return a.at[:, _batch(i), jnp.where(rejected, i, a.shape[2] - 1)].set(u)
+        last = a.shape[2] - 1
+        return a.at[:, _batch(i), jnp.where(rejected, jnp.clip(i, 0, last), last)].set(u)
 
     return jax.tree_util.tree_map(put, state, undo, index)

@@ -158,3 +158,21 @@ def test_dspark_requests_that_cannot_run_fail_clearly(model, folder):
         jdeep.generate(jdeep.load(folder, quantize_activations=False), prompt, speculative={"method": "dspark"})
     with pytest.raises(ValueError, match="DeepSeek-V4 checkpoints draft with method 'mtp'"):
         jdeep.generate(jdeep.load(DEMO, mtp=True), prompt, speculative={"method": "dspark"})
+
+
+def test_regions_mode_speculation_equals_the_scan_mode(model, folder, prompts):
+    """The regions compile mode (Neuron's mode for deep models: the draft program, per target step an undo-log program
+    and the regions step with the DSpark taps, the finish program; dspark_regions.py): the same tokens, acceptance,
+    target state, drafter windows and Engram histories as the scan mode, greedy and sampled rows in one batch (k = 3:
+    two target steps per verify, the golden's ratio-2 ring)."""
+    regions = jdeep.load(folder, mtp=True, quantize_activations=False, compile_mode="regions")
+    sp = [SamplingParams(max_new_tokens=10), SamplingParams(temperature=1.0, top_k=8, seed=3, max_new_tokens=10),
+          SamplingParams(max_new_tokens=10)]
+    runs = [dspark_decode.run_full(m, prompts, sp, [(), (), ()], k=3) for m in (model, regions)]
+    (scan_out, scan_stats, scan_final), (reg_out, reg_stats, reg_final) = runs
+    np.testing.assert_array_equal(reg_out, scan_out)
+    assert reg_stats == scan_stats
+    for a, b in zip(jax.tree_util.tree_leaves((scan_final.state, scan_final.dstate)),
+                    jax.tree_util.tree_leaves((reg_final.state, reg_final.dstate))):
+        np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(reg_final.history.classes, scan_final.history.classes)

@@ -134,6 +134,17 @@ def test_dspark_engine_errors(golden):
         make_engine(golden, {"method": "dspark", "num_speculative_tokens": 6}, **ENGINE)
     with pytest.raises(ValueError, match="'method': 'dspark'"):
         make_engine(golden, {"method": "mtp"}, **ENGINE)
-    regions = dataclasses.replace(golden, compile_mode="regions")
-    with pytest.raises(ValueError, match="scan compile mode"):
-        make_engine(regions, {"method": "dspark"}, **ENGINE)
+    with pytest.raises(ValueError, match="on a mesh"):
+        make_engine(dataclasses.replace(golden, layout=object()), {"method": "dspark"}, **ENGINE)
+
+
+def test_dspark_engine_in_the_regions_mode(golden):
+    """The regions compile mode (Neuron's: the whole pool steps through dspark_regions' programs, the Engram rows of
+    each target step gathered between them): the plain engine's greedy tokens, k = 3 (two target steps per verify)."""
+    requests = _requests(golden.config.vocab_size, seed=2)[:4]
+    plain = _serve(Engine(golden, **ENGINE), requests)
+    regions = jdeep.load(golden_path("v41-dspark-tiny"), mtp=True, quantize_activations=False, compile_mode="regions")
+    eng = make_engine(regions, {"method": "dspark", "num_speculative_tokens": 3}, **ENGINE)
+    assert eng.scheduler.window_mode == "pool"
+    assert [o.tokens for o in _serve(eng, requests)] == [o.tokens for o in plain]
+    assert eng.spec_stats.as_dict()["iterations"] > 0

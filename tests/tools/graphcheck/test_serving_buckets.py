@@ -177,3 +177,28 @@ def test_dspark_programs_pass_at_serving_batch_size(name):
                                decode=prog.bucket["step"] == "decode", rules=rules)
         failures += [] if report.ok else [report.format()]
     assert not failures, "\n".join(failures)
+
+
+def test_dspark_regions_programs_pass_at_serving_batch_size():
+    """DSpark's programs in the regions compile mode (the golden's config, k = 3: its ratio-2 ring splits the verify
+    into two target steps of 2 positions): the region programs of the prefill and verify steps with the taps, the
+    prefill tail, the draft, the verified chunks, the undo-log save and the finish pass every rule (the sampled
+    variants every rule but the threefry ones)."""
+    from jdeep.config import ModelConfig
+    from jdeep.tools.spec_programs import speculative_programs
+
+    name = "v41-dspark-tiny"
+    config = ModelConfig.from_file(golden_path(name) / "config.json")
+    target = Target.for_config(config, ml_dtypes.bfloat16, "regions", fp8_max=240.0, packed_params=False)
+    programs = speculative_programs(target, (8,), 3, (16,), 1024)
+    names = {p.name for p in programs}
+    assert {f"b8.dspark{part}.{v}" for part in (".draft", "3.finish", ".prefill16.tail") for v in ("greedy", "sampled")
+            } | {"b8.dspark3.chunks", "b8.dspark3.save2", "b8.dspark.prefill16.head.taps", "b8.dspark3.verify2.head.taps"} <= names
+    assert any(n.startswith("b8.dspark3.verify2.attn.") and n.endswith(".tap") for n in names)
+    failures = []
+    for prog in programs:
+        prng = {"S10", "S13", "S18"} if prog.name.endswith("sampled") else set()
+        report = check_lowered(prog.lower(), name=prog.name, n_experts=config.n_routed_experts,
+                               decode=prog.bucket["step"] == "decode", rules=set(RULES) - prng)
+        failures += [] if report.ok else [report.format()]
+    assert not failures, "\n".join(failures)

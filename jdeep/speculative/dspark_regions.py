@@ -1,0 +1,96 @@
+"""DSpark speculative decoding in the regions compile mode (Neuron's mode for deep models, model/regions.py): the
+pieces of dspark_iteration as separate programs around the regions step, which returns the DSpark taps itself (the
+target layers' attention programs have a tap variant).
+
+    prefill    the regions step over the chunk (taps), then `tail`: the first token and the append of every
+               position to the drafter's windows
+    iteration  `draft` (the drafter's block); `inputs` (the verified tokens and positions, per target step of
+               dspark_iteration.verify_slices); per target step `save` (its undo log) and the regions step over its
+               positions (all logits, taps); `finish` (acceptance, restore, append: dspark_iteration.finish)
+
+The drafter's programs take only the parameters it reads (mtp_iteration.mtp_params: its stages, the embedding and
+the head). Results equal the scan mode's: the same functions in the same order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ..model.cache import PROGRAMS
+from ..model.dspark import dspark_append
+from ..model.model import Model
+from ..model.regions import regions_step
+from ..runtime.sampling import sample
+from .acceptance import argmax_ids
+from .dspark_iteration import Carry, draft, finish, save_undo, verify_inputs, verify_slices
+from .mtp_iteration import mtp_params
+
+__all__ = ["RegionsPrograms", "prefill_tail", "verify_chunks"]
+
+
+def prefill_tail(params, dstate, logits, taps, positions, sb, *, greedy, config, plan, numerics):
+    """The drafter's half of a prefill chunk after the regions step: (first token int32 [B], dstate)."""
+    first = argmax_ids(logits) if greedy else sample(logits, sb, jnp.zeros(positions.shape[:1], jnp.int32))
+    return first, dspark_append(params, dstate, taps, positions, config=config, plan=plan, numerics=numerics)
+
+
+def verify_chunks(carry: Carry, drafts, *, k, vocab_size, slices):
+    """(tokens, positions) int32 [B, S_i] of each target step (slices: verify_slices)."""
+    tokens, pos = verify_inputs(carry, drafts, k=k, vocab_size=vocab_size)
+    return tuple((tokens[:, sl], pos[:, sl]) for sl in slices)
+
+
+class RegionsPrograms:
+    """The DSpark programs of one model, k and variant (greedy: every row greedy) in the regions mode."""
+
+    def __init__(self, model: Model, k: int, greedy: bool):
+        self.model, self.k, self.greedy = model, k, greedy
+        c, plan, num = model.config, model.plan, model.numerics
+        kw = dict(config=c, plan=plan, numerics=num)
+        key = (k, greedy, c, plan, num)
+        self.draft = PROGRAMS.get(("dspark_regions_draft",) + key,
+                                  lambda: jax.jit(functools.partial(draft, greedy=greedy, **kw)))
+        self.save = PROGRAMS.get(("dspark_regions_save", c, plan, num),
+                                 lambda: jax.jit(functools.partial(save_undo, plan=plan)))
+        self.finish = PROGRAMS.get(("dspark_regions_finish",) + key, lambda: jax.jit(
+            functools.partial(finish, k=k, greedy=greedy, **kw), donate_argnums=(1, 2)))
+        self.tail = PROGRAMS.get(("dspark_regions_tail",) + key, lambda: jax.jit(
+            functools.partial(prefill_tail, greedy=greedy, **kw), donate_argnums=(1,)))
+        self.verify_step = regions_step(c, plan, num, True, taps=True)
+        self.prefill_step = regions_step(c, plan, num, False, taps=True)
+        self._inputs = None
+
+    def prefill(self, params, state, dstate, tokens, positions, engram, sb):
+        """A prompt chunk (dspark_iteration.prefill_chunk). Returns (first token int32 [B], state, dstate)."""
+        (logits, taps), state = self.prefill_step(params, state, tokens, positions, engram)
+        first, dstate = self.tail(mtp_params(params), dstate, logits, taps, self.model.put(positions), sb)
+        return first, state, dstate
+
+    def drafts(self, params, dstate, carry: Carry, sb):
+        """The drafter's block (dspark_iteration.draft): (drafts int32 [B, block], q or None)."""
+        return self.draft(mtp_params(params), dstate, carry, sb)
+
+    def slices(self, state: dict) -> list[slice]:
+        return verify_slices(state, self.k)
+
+    def verify(self, params, state, dstate, carry: Carry, drafts, q, sb, stops, max_new, engram_slices=None):
+        """dspark_iteration.verify as programs; engram_slices: the Engram rows of each target step's positions (models
+        with Engram; one tuple per verify_slices entry). Returns what dspark_iteration.verify returns."""
+        slices = self.slices(state)
+        if self._inputs is None:
+            c = self.model.config
+            self._inputs = PROGRAMS.get(("dspark_regions_inputs", self.k, tuple((s.start, s.stop) for s in slices),
+                                         c.vocab_size), lambda: jax.jit(functools.partial(
+                                             verify_chunks, k=self.k, vocab_size=c.vocab_size, slices=slices)))
+        logs, logits, taps = [], [], []
+        for i, (tokens, pos) in enumerate(self._inputs(carry, drafts)):
+            logs.append(self.save(state, pos))
+            (lg, tp), state = self.verify_step(params, state, tokens, pos,
+                                               None if engram_slices is None else engram_slices[i])
+            logits.append(lg)
+            taps.append(tp)
+        return self.finish(mtp_params(params), state, dstate, carry, drafts, q, logs, logits, taps, sb, stops,
+                           max_new)
