@@ -384,6 +384,12 @@ class Engine:
     def _prefill(self, it: Iteration) -> list[RequestOutput]:
         if not it.prefill:
             return []
+        toks, pos, ended = self._take_chunk(it)
+        return self._emit(self._run(toks, pos, it.prefill_window), it.prefill_window, ended)
+
+    def _take_chunk(self, it: Iteration) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """The iteration's prefill chunk over its window (tokens, positions int32 [rows, S]), counted as prefilled;
+        and the slots whose prompt ends in it (sorted)."""
         w = it.prefill_window
         prompts = [self.slots[i].request.ids if i in it.prefill else None for i in range(w.start, w.start + w.rows)]
         done = [self.slots[i].prefilled if i in it.prefill else 0 for i in range(w.start, w.start + w.rows)]
@@ -391,9 +397,7 @@ class Engine:
         assert toks.shape[1] == it.chunk and all(taken[i - w.start] == n for i, n in it.prefill.items())
         for i, n in it.prefill.items():
             self.slots[i].prefilled += n
-        logits = self._run(toks, pos, w)
-        ended = [i for i in it.prefill if self.slots[i].prefilled == len(self.slots[i].out.prompt)]
-        return self._emit(logits, w, sorted(ended))
+        return toks, pos, sorted(i for i in it.prefill if self.slots[i].prefilled == len(self.slots[i].out.prompt))
 
     def warmup(self) -> int:
         """Compile every program serving can reach before the first request: the decode step of each window size,

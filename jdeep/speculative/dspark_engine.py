@@ -29,7 +29,7 @@ from ..model.model import Model
 from ..runtime.engine import Engine, RequestOutput
 from ..runtime.sampling import INT32_MAX, SamplingBatch, SamplingParams
 from ..runtime.scheduler import Iteration
-from ..runtime.steps import length_bucket, pack_chunk
+from ..runtime.steps import length_bucket
 from ..state import move_slot, put_slot_window, slot_window, zero_slots
 from .config import parse_speculative
 from .dspark_decode import check_dspark_model, check_k, dead_tokens, draft_program, verify_program
@@ -184,17 +184,12 @@ class DSparkEngine(Engine):
         if not it.prefill:
             return []
         w = it.prefill_window
-        prompts = [self.slots[i].request.ids if i in it.prefill else None for i in range(w.start, w.start + w.rows)]
-        done = [self.slots[i].prefilled if i in it.prefill else 0 for i in range(w.start, w.start + w.rows)]
-        toks, pos, _ = pack_chunk(prompts, done, w.rows, it.chunk)
-        for i, n in it.prefill.items():
-            self.slots[i].prefilled += n
+        toks, pos, ended = self._take_chunk(it)
         self.steps_per_bucket[w.rows] = self.steps_per_bucket.get(w.rows, 0) + 1
         sb = self._window_rows(w)
         greedy = bool(np.all(sb.temperature[[i - w.start for i in it.prefill]] <= 0))
         first = self._run_prefill(w.rows, w.start, toks, pos, sb, greedy, self.history)
-        ended = [i for i in it.prefill if self.slots[i].prefilled == len(self.slots[i].out.prompt)]
-        return self._deliver({i: [int(first[i - w.start])] for i in sorted(ended)})
+        return self._deliver({i: [int(first[i - w.start])] for i in ended})
 
     def warmup(self) -> int:
         """Compile the decode iteration of every window size and the prefill program of every (window size, chunk),
