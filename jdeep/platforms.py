@@ -21,9 +21,10 @@ from typing import MutableMapping
 import jax
 
 from .kernels.codecs import E4M3_TRN2_MAX, E4M3FN_MAX
+from .kernels.neuron_target import default_lnc, logical_nc_config, neuron_generation
 
 __all__ = ["Platform", "current", "platform_for", "neuron_generation", "neuron_cc_flags", "configure_neuron",
-           "compile_mode", "COMPILE_MODES", "cache_xla_flags"]
+           "compile_mode", "COMPILE_MODES", "cache_xla_flags", "logical_nc_config", "default_lnc"]
 
 COMPILE_MODES = ("scan", "regions")
 
@@ -51,25 +52,6 @@ class Platform:
     @property
     def is_neuron(self) -> bool:
         return self.name == "neuron"
-
-
-def neuron_generation(env: MutableMapping[str, str] | None = None, product_name: str | None = None) -> str:
-    """trn1 / trn2 / trn3: from NEURON_PLATFORM_TARGET_OVERRIDE, else the EC2 instance type (DMI product
-    name, e.g. "trn2.48xlarge"; inf2 is trn1-class), else trn2."""
-    env = os.environ if env is None else env
-    target = env.get("NEURON_PLATFORM_TARGET_OVERRIDE", "").lower()
-    aliases = {"trn1": "trn1", "gen2": "trn1", "inf2": "trn1", "trn2": "trn2", "gen3": "trn2", "trn3": "trn3",
-               "gen4": "trn3"}
-    if target in aliases:
-        return aliases[target]
-    if product_name is None:
-        try:
-            with open("/sys/devices/virtual/dmi/id/product_name") as f:
-                product_name = f.read()
-        except OSError:
-            product_name = ""
-    family = product_name.strip().lower().split(".")[0]
-    return aliases.get(family, "trn2")
 
 
 def platform_for(name: str, generation: str = "trn2") -> Platform:
@@ -110,7 +92,7 @@ def configure_neuron(env: MutableMapping[str, str] | None = None, generation: st
         env.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jdeep", "neuron")
     changed = {"NEURON_CC_FLAGS": neuron_cc_flags(env.get("NEURON_CC_FLAGS", ""), generation, cache_dir)}
     if generation in ("trn2", "trn3") and "NEURON_LOGICAL_NC_CONFIG" not in env:
-        changed["NEURON_LOGICAL_NC_CONFIG"] = "2"
+        changed["NEURON_LOGICAL_NC_CONFIG"] = str(default_lnc(generation))
     changed = {k: v for k, v in changed.items() if env.get(k) != v}
     env.update(changed)
     return changed

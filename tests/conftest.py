@@ -12,6 +12,9 @@ import tempfile
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+# numpy's BLAS (the NKI emulation's matmuls, float64 oracles) one thread per xdist worker: two workers on two cores
+# already fill the machine, and oversubscribed BLAS threads made the kernel tests slower and noisier
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # CLI runs inside the tests do not write the user's persistent compilation cache (test_cli checks the cache itself)
 os.environ.setdefault("JDEEP_NO_COMPILE_CACHE", "1")
 GOLDEN_DIR = pathlib.Path(os.environ.get("JDEEP_GOLDEN_DIR", REPO.parent / "shared" / "golden"))

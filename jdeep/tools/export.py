@@ -7,12 +7,18 @@ For each program (graphs.model_programs) the output folder gets
     <name>.mlirbc          StableHLO MLIR bytecode (what a PJRT plugin compiles)
     <name>.jax_exported    jax.export's serialisation (reload with jax.export.deserialize and .call it)
 
-and manifest.json (schema "jdeep.export/1"):
+and manifest.json (schema "jdeep.export/2"):
 
     {"schema", "jax_version", "model": {"config", "dtype", "compile_mode", "host_embedding", "numerics"},
      "programs": [{"name", "files": {...}, "bucket": {"batch", "seq", "step", "max_len"},
                    "inputs": [{"path", "shape", "dtype", "donated"}], "outputs": [{"path", "shape", "dtype"}],
-                   "aliases": {input index: output index}, "platforms"}]}
+                   "aliases": {input index: output index}, "platforms", "kernels": [index into "kernels"]}],
+     "kernels": [{"func_name", "file", "traced_path", "grid", "platform_target", "input_names", "output_names",
+                  "sha256"}]}
+
+Programs traced on Neuron call NKI kernels (custom calls that name each compiled kernel by its absolute path on the
+tracing host, tools/kernel_artifacts.py): each kernel's file is copied into the folder at `file`
+(<hash folder>/<name>), where neuronx-cc launched from the export folder finds it on any host.
 
 Programs take and return flat lists of arrays: argument i is `inputs[i]`, whose path is its place in the
 step's argument tree (e.g. "[1]['segments'][0][0]['window']"; argument tree 0 is the parameters, 1 the
@@ -30,11 +36,13 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from .kernel_artifacts import NKI_TARGET, copy_artifacts, kernel_refs
 from .programs import Program
 
 __all__ = ["export_programs", "load_exported", "call_exported", "SCHEMA"]
 
-SCHEMA = "jdeep.export/1"
+SCHEMA = "jdeep.export/2"
+_READABLE = ("jdeep.export/1", SCHEMA)        # /1: the same without kernels
 
 
 def _leaves(tree) -> list[dict]:
@@ -58,6 +66,8 @@ def export_programs(programs: Sequence[Program], out_dir: str, model_info: dict)
     """Write every program and the manifest into out_dir; returns the manifest."""
     os.makedirs(out_dir, exist_ok=True)
     entries = []
+    kernels: dict[str, int] = {}               # traced path -> index in the manifest's kernels
+    refs = []
     for p in programs:
         # exported with a flat calling convention: argument i is manifest input i, output j manifest output j
         leaves, treedef = jax.tree_util.tree_flatten(p.args)
@@ -67,8 +77,16 @@ def export_programs(programs: Sequence[Program], out_dir: str, model_info: dict)
             return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(treedef, xs)))
 
         jitted = jax.jit(flat, donate_argnums=tuple(i for i, d in enumerate(donated) if d))
-        exp = jax.export.export(jitted)(*leaves)
+        # NKI kernels are custom calls jax.export cannot vouch for; their compiled files travel with the export
+        exp = jax.export.export(jitted, disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(NKI_TARGET)])(
+            *leaves)
         text = jitted.lower(*leaves).as_text()
+        program_kernels = []
+        for ref in kernel_refs(text, p.name):
+            if ref.binary not in kernels:
+                kernels[ref.binary] = len(refs)
+                refs.append(ref)
+            program_kernels.append(kernels[ref.binary])
         files = {"mlir": f"{p.name}.mlir", "mlirbc": f"{p.name}.mlirbc", "jax_exported": f"{p.name}.jax_exported"}
         with open(os.path.join(out_dir, files["mlir"]), "w") as f:
             f.write(text)
@@ -82,8 +100,9 @@ def export_programs(programs: Sequence[Program], out_dir: str, model_info: dict)
         entries.append({"name": p.name, "files": files, "bucket": p.bucket, "inputs": inputs,
                         "outputs": _leaves(jax.eval_shape(p.fn, *p.args)), "aliases": _aliases(text),
                         "input_tree": str(treedef),
-                        "platforms": list(exp.platforms)})
-    manifest = {"schema": SCHEMA, "jax_version": jax.__version__, "model": model_info, "programs": entries}
+                        "platforms": list(exp.platforms), "kernels": program_kernels})
+    manifest = {"schema": SCHEMA, "jax_version": jax.__version__, "model": model_info, "programs": entries,
+                "kernels": copy_artifacts(refs, out_dir)}
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
@@ -101,7 +120,7 @@ def load_exported(out_dir: str) -> tuple[dict, dict]:
     """(manifest, {program name: jax.export.Exported}) of an export folder."""
     with open(os.path.join(out_dir, "manifest.json")) as f:
         manifest = json.load(f)
-    if manifest.get("schema") != SCHEMA:
+    if manifest.get("schema") not in _READABLE:
         raise ValueError(f"{out_dir}: not a jdeep export (schema {manifest.get('schema')!r}, expected {SCHEMA})")
     programs = {}
     for entry in manifest["programs"]:

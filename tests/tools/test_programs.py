@@ -101,7 +101,7 @@ def test_export_scan_reload_and_run(tmp_path):
     entry = manifest["programs"][1]
     n_state = len(jax.tree_util.tree_leaves(model.init_state(2, 64)))
     assert sum(i["donated"] for i in entry["inputs"]) == n_state == len(entry["aliases"])
-    assert len(entry["inputs"]) <= 128 and json.loads((out / "manifest.json").read_text())["schema"] == "jdeep.export/1"
+    assert len(entry["inputs"]) <= 128 and json.loads((out / "manifest.json").read_text())["schema"] == "jdeep.export/2"
     step = model.step_fn(all_logits=False)
     for name, S in (("b2.prefill", 16), ("b2.decode", 1)):
         live = step(*_inputs(model, 2, S, 64, name[3:])[:5])

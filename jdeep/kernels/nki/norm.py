@@ -3,13 +3,18 @@
 Tokens on partitions, 128 rows per tile, the hidden dim on the free axis (fp32 in SBUF: 4·D bytes per partition,
 28 KiB at D = 7168). Per tile: one DMA in (cast to fp32), sum of squares on the Scalar Engine (activation with an
 add-reduce), rsqrt(mean + eps), a per-row scale and the weight product on the Vector Engine, one DMA out.
-HBM traffic per call: T·D·(in + out itemsize) + 4·D per tile for the broadcast weight."""
+HBM traffic per call: T·D·(in + out itemsize) + 4·D per tile for the broadcast weight.
+LNC: the tokens are split over the launch's programs, each core taking a contiguous run (in tiles of <= 128) and
+loading the weight onto only the partitions it uses: decode batch 8 gives each core 4 rows, a prefill of 130 tokens
+65 (a row's statistics need its whole D, so a single token runs on one core)."""
 
 from __future__ import annotations
 
 import nki
 import nki.isa as nisa
 import nki.language as nl
+
+from .launch import launch, program_share
 
 __all__ = ["rmsnorm_kernel", "rms_norm"]
 
@@ -19,12 +24,14 @@ def rmsnorm_kernel(x, weight, eps: float):
     T, D = x.shape
     out = nl.ndarray((T, D), x.dtype, buffer=nl.shared_hbm)
     P = nl.tile_size.pmax
+    t_first, t_count = program_share(T)                  # this core's tokens
+    lanes = max(1, min(P, t_count))                      # the partitions it uses
     w = nl.ndarray((P, D), nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=w, src=weight.ap([[0, P], [1, D]]))            # the weight on every partition
+    nisa.dma_copy(dst=w[0:lanes], src=weight.ap([[0, lanes], [1, D]]))   # the weight on each partition
     eps_t = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=eps_t, value=float(eps))
-    for t0 in range(0, T, P):
-        n = min(P, T - t0)
+    for t0 in range(t_first, t_first + t_count, P):
+        n = min(P, t_first + t_count - t0)
         xt = nl.ndarray((P, D), nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=xt[0:n], src=x[t0:t0 + n, :])
         sq = nl.ndarray((P, D), nl.float32, buffer=nl.sbuf)
@@ -44,4 +51,4 @@ _rmsnorm = nki.jit(rmsnorm_kernel)
 def rms_norm(x, weight, eps: float):
     """The JAX op (same signature as the reference): x [..., D] -> [..., D] in x's dtype."""
     shape = x.shape
-    return _rmsnorm(x.reshape(-1, shape[-1]), weight, float(eps)).reshape(shape)
+    return launch(_rmsnorm)(x.reshape(-1, shape[-1]), weight, float(eps)).reshape(shape)

@@ -2,11 +2,14 @@
 
 out[g, c] = Σ_m softmax_m(score[g, :, c]) · kv[g, m, c], fp32, for N groups of m slots x C channels.
 
-Tiling: groups on partitions (128 per tile), [m slots, channel chunk] on the free axis, fp32. With fewer than 65
-groups (decode: one group per sequence) each group's channels are split over several partitions (kernels/nki/rows.py),
-so a decode call still uses up to 128 lanes. Channels are chunked so that one [m, chunk] tile is <= 32 KiB per
-partition (m = 128 slots, V4's ratio-128 compressor: 64 channels per chunk; m <= 16: the whole C = 512). Per chunk:
-two DMAs in (score, kv: runs of chunk·4 contiguous bytes), then on the Vector/Scalar Engines
+Tiling: groups on partitions, [m slots, channel chunk] on the free axis, fp32. With few groups (decode: one group
+per sequence) each group's channels are split over several partition-rows (kernels/nki/rows.py), so a decode call
+still fills the lanes. LNC: the partition-rows (group, channel block) are split over the launch's programs, each
+core taking a contiguous run in tiles of up to 128 and writing its own output runs (decode, one group of C = 512:
+32 partition-rows of 16 channels, 16 per core; prefill, 130 groups: 65 per core). Channels are chunked so that one
+[m, chunk] tile is <= 32 KiB per partition (m = 128 slots, V4's ratio-128 compressor: at most 64 channels per chunk;
+m <= 16: the whole C = 512). Per chunk: two DMAs in (score, kv: runs of chunk·4 contiguous bytes), then on the
+Vector/Scalar Engines
 - the max over slots: tensor_reduce over the last axis of the tile viewed [channels, slots] (a free-axis access
   pattern; SBUF reads any free-axis stride),
 - score - max (broadcast over slots), exp, the sum over slots, e · kv and its sum over slots, one reciprocal and
@@ -22,7 +25,8 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from .rows import row_views, splits
+from .launch import launch, program_share
+from .rows import programs, row_views, splits
 
 __all__ = ["softmax_pool_kernel", "softmax_pool"]
 
@@ -35,20 +39,20 @@ def softmax_pool_kernel(score, kv):
     assert kv.shape == score.shape
     out = nl.ndarray((N, C), nl.float32, buffer=nl.shared_hbm)
     P = nl.tile_size.pmax
-    s = splits(N, C, 4)
-    cb = C // s                                        # channels per partition
+    s = splits(N, C, 4, P * programs())
+    cb = C // s                                        # channels per partition-row
     cc = min(cb, max(1, _FREE // m))                   # channels per chunk
-    per_tile = P // s                                  # groups per tile
-    for g0 in range(0, N, per_tile):
-        ng = min(per_tile, N - g0)
-        rows = ng * s
+    q_first, q_count = program_share(N * s)            # this core's partition-rows (group g, block b) = g·s + b
+    for q0 in range(q_first, q_first + q_count, P):
+        rows = min(P, q_first + q_count - q0)
         for c0 in range(0, cb, cc):
             w = min(cc, cb - c0)
             sc = nl.ndarray((P, m, w), nl.float32, buffer=nl.sbuf)
             kt = nl.ndarray((P, m, w), nl.float32, buffer=nl.sbuf)
-            for src, dst in ((score, sc), (kv, kt)):
-                for r, k, view in row_views(src, g0, ng, s, m * C, cb, [[C, m]], c0, w):
-                    nisa.dma_copy(dst=dst[r:r + k], src=view)
+            for r, k, view in row_views(score, q0, rows, s, m * C, cb, [[C, m]], c0, w):
+                nisa.dma_copy(dst=sc[r:r + k], src=view)
+            for r, k, view in row_views(kv, q0, rows, s, m * C, cb, [[C, m]], c0, w):
+                nisa.dma_copy(dst=kt[r:r + k], src=view)
             # the same tiles seen as [channels, slots]: the reductions over slots run over the last axis
             sc_t = sc.ap([[m * w, rows], [1, w], [w, m]])
             kt_t = kt.ap([[m * w, rows], [1, w], [w, m]])
@@ -63,8 +67,8 @@ def softmax_pool_kernel(score, kv):
             nisa.tensor_reduce(dst=num[0:rows], op=nl.add, data=kt_t, axis=2)
             nisa.reciprocal(dst=den[0:rows], data=den[0:rows])
             nisa.tensor_tensor(dst=num[0:rows], data1=num[0:rows], data2=den[0:rows], op=nl.multiply)
-            # partition row (group g, block b) is out[g, b·cb + c0 : ...]: rows of cb channels, contiguous
-            for r, k, view in row_views(out, g0 * s, rows, 1, cb, cb, [], c0, w):
+            # partition-row q = (group g, block b) is out[g, b·cb + c0 : ...] = out's flat q·cb + c0: one view
+            for r, k, view in row_views(out, q0, rows, 1, cb, cb, [], c0, w):
                 nisa.dma_copy(dst=view, src=num[r:r + k])
     return out
 
@@ -75,4 +79,4 @@ _softmax_pool = nki.jit(softmax_pool_kernel)
 def softmax_pool(score, kv):
     """The JAX op (the reference's signature): score, kv fp32 [..., m, C] -> fp32 [..., C]."""
     lead, (m, C) = score.shape[:-2], score.shape[-2:]
-    return _softmax_pool(score.reshape(-1, m, C), kv.reshape(-1, m, C)).reshape(lead + (C,))
+    return launch(_softmax_pool)(score.reshape(-1, m, C), kv.reshape(-1, m, C)).reshape(lead + (C,))

@@ -88,6 +88,10 @@ Rules and detection (see ``RULES``; S14, S16, S21-S23 are not properties of one 
   ``and``, ``or``, ``xor``, ``not``, shifts, ``maximum``/``minimum``, ``clamp``, ``popcnt``, ``sign``, ``power``,
   ``count_leading_zeros``; also a ``reduce ... applies <op>``) whose result element type is i8/ui8/i16/ui16.
   ``compare``, ``convert``, ``select``, reshapes, slices, ``gather``, ``dynamic_update_slice`` of 8-bit data are fine.
+- N2  each ``AwsNeuronCustomNativeKernel`` call: its ``backend_config`` decodes (base64 JSON with
+  ``klir_binary.binary``), its ``grid`` equals the LNC the Neuron runtime runs at (``NEURON_LOGICAL_NC_CONFIG``,
+  else the generation's default: a mismatch is a runtime error), and the compiled kernel file it names exists on
+  this host (else neuronx-cc fails with NCC_EVRF059; ``jdeep export`` carries the files to another host).
 - S17 ``custom_call`` targets other than ``AwsNeuronCustomNativeKernel``, ``AwsNeuron*``, ``Sharding``,
   ``SPMDFullToShardShape``, ``SPMDShardToFullShape`` and ``xla.sdy.*`` markers. (With JAX 0.10.0's default Shardy
   partitioner sharding constraints and ``shard_map`` are ``sdy.*`` ops, not custom calls, so they never show up

@@ -21,6 +21,7 @@ RULES: dict[str, str] = {
     "S14": "one fp8 variant per module: covered by S13 (no fp8 types admitted at all)",
     "S15": "shift_right_arithmetic only on 32-bit integers (uint8 codes decoded in f32 or 32-bit ints)",
     "N1": "narrow-integer arithmetic: no arithmetic/bitwise op with an i8/ui8/i16/ui16 result",
+    "N2": "NKI kernel calls: a base64 JSON backend config, launched at the runtime's LNC, the compiled file present",
     "S16": "fp32 dots in mHC/gate/compressor/head scopes: not checked here (needs scope names; tests of those layers)",
     "S17": "custom_call targets only AwsNeuron*, Sharding/SPMD markers; no host callbacks",
     "S18": "no reduce_precision, complex or f64 types, no threefry (rng_bit_generator allowed)",

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from ...platforms import logical_nc_config
+from ..kernel_artifacts import kernel_refs
 from .analysis import _Analysis, _compare_type, _direction
 from .bounds import _FORWARDING, _Bounds
 from .mlir import Module, Op, Value, _short_name, _terminator
@@ -248,6 +251,25 @@ def _n1(ctx: _Ctx) -> Iterator[Violation]:
                 yield _v("N1", op, f"{op.short} computing on {e}: widen before reducing")
 
 
+def _n2(ctx: _Ctx) -> Iterator[Violation]:
+    lnc = None
+    for op in ctx.mod.ops:
+        if not _is_nki(op):
+            continue
+        try:
+            refs = kernel_refs(op.text + " :", "the call")
+        except ValueError as e:
+            yield _v("N2", op, str(e))
+            continue
+        for ref in refs:
+            lnc = logical_nc_config() if lnc is None else lnc
+            if ref.grid != lnc:
+                yield _v("N2", op, f"NKI kernel {ref.func_name} launched at LNC={ref.grid}; the runtime runs at "
+                                   f"{lnc} (NEURON_LOGICAL_NC_CONFIG): a runtime error")
+            if not os.path.isfile(ref.binary):
+                yield _v("N2", op, f"NKI kernel {ref.func_name}: compiled file {ref.binary} is missing (NCC_EVRF059)")
+
+
 _ALLOWED_CC = frozenset({"AwsNeuronCustomNativeKernel", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"})
 
 
@@ -385,7 +407,7 @@ def _inplace(mod: Module, v: Value | None, origin: Value, calls: tuple[Op, ...] 
 
 _CHECKS: dict[str, Callable[[_Ctx], Iterable[Violation]]] = {
     "S1": _s1, "S2": _s2, "S3": _s3, "S4": _s4, "S5": _s5, "S6": _s6, "S7": _s7, "S8": _s8, "S9": _s9,
-    "S10": _s10, "S11": _s11, "S12": _s12, "S13": _s13, "S15": _s15, "N1": _n1, "S17": _s17, "S18": _s18,
+    "S10": _s10, "S11": _s11, "S12": _s12, "S13": _s13, "S15": _s15, "N1": _n1, "N2": _n2, "S17": _s17, "S18": _s18,
     "S19": _s19, "S20": _s20,
 }
 assert set(_CHECKS) | set(NOT_CHECKED_HERE) == set(RULES)

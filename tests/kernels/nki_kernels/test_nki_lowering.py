@@ -5,11 +5,19 @@ lowering (tests/nki_emulation: it emits NKI's custom call and records it; nothin
 `AwsNeuronCustomNativeKernel` call per recorded kernel, every kernel of the registry among them, with the weight codes
 passed to them undecoded, and pass the compile-safety rules as the programs Neuron compiles; the same programs traced
 for CPU have no custom call. (With the real `nki` package this needs its JAX lowering, so it only runs under the
-emulation.)"""
+emulation.)
+
+Each call carries jax-neuronx's payload (the array arguments then an s8[128, 128] constant, a backend config naming
+the kernel, its launch grid at the runtime's LNC and its compiled file), and `jdeep export` of such programs copies
+every kernel's compiled file beside the graph, where neuronx-cc launched from the export folder on another host
+finds it (NCC_EVRF059's lookup rule)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
+import os
 import re
 
 import jax
@@ -25,18 +33,22 @@ from jdeep.model.cache import ProgramCache
 from jdeep.numerics import Numerics
 from jdeep.param_spec import abstract_params
 from jdeep.plan import build_plan
+from jdeep.platforms import logical_nc_config
 from jdeep.presets import TINY_CONFIG, one_layer_config, tiny_v41_config
 from jdeep.state import init_state
 from jdeep.tools import programs as graphs
+from jdeep.tools.export import export_programs, load_exported, model_info
 from jdeep.tools.graphcheck import check_lowered
+from jdeep.tools.kernel_artifacts import copy_artifacts, kernel_refs, relative_location, unresolved
 
 pytestmark = pytest.mark.skipif(not getattr(nki, "EMULATED", False), reason="the recording stand-in is the emulation's")
 
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32],
          "expert_dtype": "fp4"}
-# every registered kernel body, plus the second kernel of the MoE ops; swiglu_kernel's tiles are fused into the
-# expert kernels, so the model never calls it on its own
-MODEL_KERNELS = {body for op, (_, _, body) in nki_kernels.KERNELS.items() if op != "swiglu"} | {"expert_down_kernel"}
+# every registered kernel body, plus the second kernel of the MoE ops and attention's entry point for layers without
+# selected keys; swiglu_kernel's tiles are fused into the expert kernels, so the model never calls it on its own
+MODEL_KERNELS = {body for op, (_, _, body) in nki_kernels.KERNELS.items() if op != "swiglu"} | {
+    "expert_down_kernel", "sparse_attention_shared_kernel"}
 
 
 def _lower(config: ModelConfig, batch: int, S: int, max_len: int = 256) -> str:
@@ -76,6 +88,18 @@ def _n_calls(text: str) -> int:
     return len(re.findall(rf"custom_call @{nki.CUSTOM_CALL_TARGET}\(", text))
 
 
+def _check_payload(text: str) -> None:
+    """Every NKI call: API_VERSION_STATUS_RETURNING, an s8[128, 128] last operand, launched at the runtime's LNC,
+    naming an existing compiled kernel file by absolute path with one input name per array argument."""
+    calls = re.findall(rf"custom_call @{nki.CUSTOM_CALL_TARGET}\((.*?)\) \{{(.*?)\}} : \((.*?)\) ->", text)
+    assert calls and len(calls) == _n_calls(text)
+    for _, attrs, types in calls:
+        operands = re.findall(r"tensor<[^>]*>", types)
+        assert "api_version = 2" in attrs and operands[-1] == "tensor<128x128xi8>", (attrs[:80], operands)
+    for ref in kernel_refs(text):
+        assert ref.grid == logical_nc_config() and os.path.isabs(ref.binary) and os.path.isfile(ref.binary), ref
+
+
 def _regions_programs(config: ModelConfig) -> list:
     """Every program of the regions compile mode (Neuron's default) for a 2-slot bucket, prefill 32 and decode, with
     fresh jits and program caches (the model's cached programs are not touched)."""
@@ -106,6 +130,8 @@ def test_neuron_programs_call_every_kernel_and_pass_the_compile_safety_rules(mon
     assert sum(map(_n_calls, texts)) == len(nki.RECORDED)           # one custom call per kernel call traced
     for text in texts:
         _check_calls(text, nki.RECORDED)
+        if _n_calls(text):
+            _check_payload(text)
     names = {r["kernel"] for r in nki.RECORDED}
     assert names == MODEL_KERNELS, (MODEL_KERNELS - names, names - MODEL_KERNELS)
     monkeypatch.undo()
@@ -126,3 +152,34 @@ def test_every_fp8_projection_outside_the_moe_is_one_gemm_call(monkeypatch):
                    if "codes" in jax.tree_util.keystr(p) and "['ffn']" not in jax.tree_util.keystr(p)]
     gemms = [r for r in recorded if r["kernel"] == "fp8_linear_kernel"]
     assert len(gemms) == len(fp8_weights), (len(gemms), fp8_weights)
+
+
+def test_export_with_kernels_carries_their_compiled_files(monkeypatch, tmp_path):
+    """`jdeep export` of programs traced on the neuron path: the manifest lists every kernel the programs call, each
+    compiled file copied to <hash folder>/<name> in the export folder with its sha256; on another host (the traced
+    paths gone) neuronx-cc launched from the export folder resolves every one, from anywhere else none. A kernel file
+    missing at export time is an error naming the kernel."""
+    config = ModelConfig.from_dict(one_layer_config(head_dim=128, qk_rope_head_dim=64, index_head_dim=64,
+                                                    quantization_config=QUANT))
+    monkeypatch.setattr(nki, "ARTIFACT_DIR", str(tmp_path / "nki-cache"))
+    nki_kernels.register_all()
+    monkeypatch.setattr(registry, "_backend", lambda: "neuron")
+    target = graphs.Target(config, build_plan(config), Numerics.for_config(config, fp8_max=240.0), jnp.bfloat16,
+                           "scan")
+    programs = graphs.model_programs(target, (1,), 16, 64, cache=ProgramCache())
+    out = tmp_path / "export"
+    manifest = export_programs(programs, str(out), model_info(target))
+    kernels = manifest["kernels"]
+    assert {k["func_name"].rsplit(".", 1)[1] for k in kernels} >= {"fp8_linear_kernel", "sparse_attention_kernel",
+                                                                  "expert_gate_up_kernel", "topk_kernel"}
+    assert all(entry["kernels"] for entry in manifest["programs"])
+    for k in kernels:
+        assert k["file"] == relative_location(k["traced_path"]) and k["grid"] == logical_nc_config()
+        assert hashlib.sha256((out / k["file"]).read_bytes()).hexdigest() == k["sha256"]
+    assert load_exported(str(out))[0]["schema"] == "jdeep.export/2"
+    refs = [r for entry in manifest["programs"] for r in kernel_refs((out / entry["files"]["mlir"]).read_text())]
+    elsewhere = [dataclasses.replace(r, binary="/nonexistent-host" + r.binary) for r in refs]
+    assert refs and unresolved(elsewhere, str(out)) == [] and unresolved(elsewhere, str(tmp_path)) == elsewhere
+    os.remove(refs[0].binary)                  # (tracing again would write it again, as NKI's cache does)
+    with pytest.raises(FileNotFoundError, match=f"NKI kernel {refs[0].func_name}: its compiled file"):
+        copy_artifacts(refs, str(tmp_path / "again"))

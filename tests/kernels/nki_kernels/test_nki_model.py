@@ -9,7 +9,14 @@ reciprocals for divisions); the logits agree to 2e-5 of the row's max |logit| (m
 goldens' three steps, the quantisation grids absorbing most last-bit differences). A last-bit difference can flip an
 fp8/fp4 rounding, which moves a logit by far more: if this test fails by a wide margin, check for such a flip (the
 kernels' quantized paths are bounded one by one in test_nki_moe.py and test_nki_indexer.py) before suspecting a
-kernel."""
+kernel.
+
+The emulation's model of the Scalar Engine's approximate activations is switched off here (ACTIVATION_REL_ERROR = 0;
+every other hardware rule of the emulation stays on: the subset check, the LNC=2 launches, fp32 PSUM, 32-bit lanes,
+capacity). With it on, the logits move by a few percent of the row maximum (measured on v4-tiny-q: 3-4 %), and
+not because a kernel is wrong: these random-weight quantized models are chaotic (a single fp32 ulp of activation
+error alone moved a decode step's logits by 1.4 %: it flips an fp8 act-quant rounding). What this test checks is
+that every kernel composes with the layers exactly; each kernel's activation term is bounded in its own test."""
 
 from __future__ import annotations
 
@@ -59,6 +66,7 @@ def test_neuron_path_with_emulated_kernels_equals_the_references(monkeypatch, go
 
     nki_kernels.register_all()
     monkeypatch.setattr(registry, "_backend", lambda: "neuron")
+    monkeypatch.setattr(nki.isa, "ACTIVATION_REL_ERROR", 0.0)
     nki.RECORDED.clear()
     with nki.host_execution():
         got = _steps(model, toks, pos)

@@ -1,28 +1,36 @@
 """The MoE expert GEMM kernels (jdeep/kernels/nki/moe.py) under nki.simulate against their jnp twins, and the four
-NKI MoE ops against the reference ops (kernels/reference.py) on the same routing.
+NKI MoE ops against the reference ops (kernels/reference.py) on the same routing. Kernels run at trn2's LNC=2
+(nki_testing.run): row tiles split over the two programs, left-over tiles split by output columns (one 1-row case
+checks LNC=2 against LNC=1 and the split itself is checked per program).
 
 Shapes: the tiny checkpoints' (d = 128, I = 64, E = 8, k = 2) and the released models' tile patterns kept cheap
-(V4-Flash d = 4096 x I = 2048 fp4 on 2 experts; the V4.1 shared expert d = 5120 x I = 2304 with 32 x 32 fp8 blocks:
-a partial 512-column slab), partial 128-partition k and n tiles, full and partial 128-row tiles.
+(V4-Flash d = 4096 x I = 2048 fp4 on 2 experts, whose decode must keep every 32-bit lane exact in fp32: the emulation
+refuses one that is not; the V4.1 shared expert d = 5120 x I = 2304 with 32 x 32 fp8 blocks: a partial 512-column
+slab), partial 128-partition k and n tiles, full and partial 128-row tiles.
 
-Tolerances (u = 2⁻²⁴; "exact" = float64 from the decoded weights, whose products are exact in float64):
-- every GEMM sum of K products in fp32, in any order, is within γ = K·u·Σ|x||w| of the exact one; the kernel (per
-  k-block partial sums times the block scale, then a sum over blocks) and the twin (XLA's dot) each meet it, so
-  they agree to 2γ (kernel B, given the same input `a`: the down GEMM's bound exactly);
-- kernel A's output a = silu(min(h1, L)) · clamp(h3, ±L) · w: h1, h3 within γ₁, γ₃ of exact; silu is 1.1-Lipschitz
-  and every fp32 elementwise op adds <= 2⁻²³ relative, so each of kernel and twin is within
-  δ = |w|(|u|(1.1γ₁ + 2⁻²¹|silu|) + |silu|γ₃ + 2⁻²²|su|) of the exact a, and they agree to 2δ;
+Tolerances (u = 2⁻²⁴; "exact" = float64 from the decoded weights, whose products are exact in float64; A = ACT_REL,
+the Scalar Engine's activation error bound, nki_testing):
+- every GEMM sum of K products in fp32 (the PE array's fp32 PSUM accumulation, the block-scale multiply by a power of
+  two, the fp32 block and chunk sums; an fp32 x fp32 product rounds once more), in any order, is within
+  γ = K·u·Σ|x||w| of the exact one; the kernel and the twin (XLA's dot) each meet it, so they agree to 2γ (kernel B,
+  given the same input `a`: the down GEMM's bound exactly);
+- kernel A's output a = silu(min(h1, L)) · clamp(h3, ±L) · w: h1, h3 within γ₁, γ₃ of exact and the clamps
+  1-Lipschitz; silu is 1.1-Lipschitz and the Scalar Engine's silu is within A of the exact silu of its input (plus
+  2⁻²¹ for an fp32 evaluation, the twin's), so s = silu(g) is off by at most Δs = 1.1γ₁ + (A + 2⁻²¹)(|s| + 1.1γ₁) and
+  u by Δu = γ₃; the product s·u·w, two fp32 roundings (<= 2⁻²² relative together), is then within
+  δ = |w|(|u|Δs + (|s| + Δs)Δu + 2⁻²²(|s| + Δs)(|u| + Δu)) of the exact a for kernel and twin, which agree to 2δ;
 - the ops chain A, the cast of `a` to the activation dtype, DeepSeek's fp8 act-quant of `a` and B. The cast and the
   act-quant can flip a value at a rounding tie when the two fp32 `a` differ in their last bits, so the test does
-  not assume identical quantized inputs: from the exact a ± δ it derives the interval each quantized element can
-  land in (bf16 rounding of both ends; act-quant of both ends under the block scales of both amax envelopes). After
-  a cast it is one value except within δ of a rounding boundary (fp32 without act-quant: width 2δ); its width,
-  through |W2|, plus both down
-  GEMMs' γ and the fp32 sum over a token's k slots (k·u·Σ|y|), bounds |op - reference|. These are worst-case
-  sums of |terms| (observed differences sit well inside); the test asserts the bound's median stays below 1 % of
-  |y|, far below what a wrong expert, routing weight, k order or scale would cause (O(|y|)), so it is not vacuous.
-The ops are JAX functions around the kernels; to run them with numbers on CPU the test swaps the `nki.jit` calls for
-`nki.simulate` runs behind jax.pure_callback (the real path lowers to NKI custom calls, checked here by tracing)."""
+  not assume identical quantized inputs: from the exact a ± δ (A included) it derives the interval each quantized
+  element can land in (bf16 rounding of both ends; act-quant of both ends under the block scales of both amax
+  envelopes). After a cast it is one value except within δ of a rounding boundary (fp32 without act-quant: width
+  2δ); its width, through |W2|, plus both down GEMMs' γ and the fp32 sum over a token's k slots (k·u·Σ|y|), bounds
+  |op - reference|. These are worst-case sums of |terms| (observed differences sit well inside); the test asserts
+  the bound's median stays below 1 % of |y|, far below what a wrong expert, routing weight, k order or scale would
+  cause (O(|y|)), so it is not vacuous.
+The ops are JAX functions around the kernels; to run them with numbers on CPU the test swaps the `nki.jit` kernels
+for stand-ins whose `[lnc]` launch runs the body under `nki.simulate` behind jax.pure_callback (the real path lowers
+to NKI custom calls, checked here by tracing)."""
 
 from __future__ import annotations
 
@@ -36,9 +44,11 @@ import numpy as np
 import pytest
 
 from jdeep.kernels import codecs, reference
-from jdeep.kernels.nki import moe
+from jdeep.kernels.nki import moe, moe_tiles
 from jdeep.kernels.quant import dequant_fp4, dequant_fp8
 from jdeep.numerics import Numerics
+from jdeep.platforms import logical_nc_config
+from nki_testing import ACT_REL, LNC, run
 
 BF16 = ml_dtypes.bfloat16
 U = 2.0 ** -24
@@ -54,9 +64,9 @@ def _trn2_codes(rng, shape) -> np.ndarray:
 
 def _decode(fmt: str, values: np.ndarray, scale: np.ndarray, block) -> np.ndarray:
     """Quantized weights [..., N, K] as float64, with the codecs the reference's dequant uses (numpy here)."""
-    if fmt == "fp4":
-        w = codecs.e2m1_decode(np, codecs.unpack_e2m1(np, values))
-        return w.astype(np.float64) * np.repeat(codecs.ue8m0_decode(np, scale), 32, axis=-1)
+    if fmt == "fp4":                 # the codec on the 16 codes, then a table look-up (the V4 shapes' 50M codes)
+        w = np.asarray(codecs.e2m1_decode(np, np.arange(16)), np.float64)[codecs.unpack_e2m1(np, values)]
+        return w * np.repeat(codecs.ue8m0_decode(np, scale), 32, axis=-1)
     s = np.repeat(np.repeat(codecs.ue8m0_decode(np, scale), block[0], axis=-2), block[1], axis=-1)
     return codecs.e4m3_decode(np, values, trn2=True).astype(np.float64) * s[..., :values.shape[-2], :values.shape[-1]]
 
@@ -103,41 +113,81 @@ def _gate_up_exact(x64, W1, W3, w, limit=LIMIT):
     g, u = np.minimum(h1, limit), np.clip(h3, -limit, limit)
     s = _silu(g)
     a = s * u * w[:, None]
-    delta = np.abs(w)[:, None] * (np.abs(u) * (1.1 * _gamma(x64, W1) + 2.0 ** -21 * np.abs(s))
-                                  + np.abs(s) * _gamma(x64, W3) + 2.0 ** -22 * np.abs(s * u))
+    s_abs, u_abs = np.abs(s), np.abs(u)
+    g1 = 1.1 * _gamma(x64, W1)
+    d_s = g1 + (ACT_REL + 2.0 ** -21) * (s_abs + g1)
+    d_u = _gamma(x64, W3)
+    delta = np.abs(w)[:, None] * (u_abs * d_s + (s_abs + d_s) * d_u + 2.0 ** -22 * (s_abs + d_s) * (u_abs + d_u))
     return a, delta
 
 
-def _run(kernel, *args):
-    with np.errstate(over="ignore"):        # the emulated silu's exp(-g) overflows to inf for g << 0 (silu -> -0)
-        return nki.simulate(kernel)(*args)
+def _run(body, *args, lnc=LNC):
+    with np.errstate(over="ignore"):        # a simulator's silu may overflow exp(-g) to inf for g << 0 (silu -> -0)
+        return run(body, *args, lnc=lnc)
 
 
 # ---------------------------------------------------------------------------------------------- fp4 decode
+def _decode_kernel(pk, scale):
+    """The kernel's fp4 decode of packed bytes pk [1, N, 64] (K = 128): the slab's codes [128 k, N] as bytes, each
+    program decoding its 128-column tiles."""
+    N = pk.shape[1]
+    s = moe_tiles.Stack(pk, scale, "fp4", (1, 32), nl.bfloat16)
+    reg = nisa.register_alloc(0)
+    first, count = moe.program_share(N // 128)
+    out = nl.ndarray((128, N), nl.uint8, buffer=nl.shared_hbm)
+    slab = moe_tiles.load_slab(pk, reg, first * 128, count * 128, s, moe_tiles.fp4_lanes())
+    nisa.dma_copy(dst=out[:, first * 128:(first + count) * 128], src=slab.view(nl.uint8)[:, 0, :])
+    return out
+
+
 def test_fp4_nibble_trick_on_all_codes():
-    """The e2m1 -> e4m3 byte map is exact for all 16 codes (value · 2⁻⁶), and the kernel's in-SBUF decode of all
-    256 packed bytes puts each nibble's code on its partition: 32j + 16h + q holds k = 32j + 2q + h."""
+    """The e2m1 -> e4m3 byte map is exact for all 16 codes (value · 2⁻⁶), and the kernel's in-SBUF decode (on uint16
+    lanes of 2 bytes, at a slab offset on program 1) of all 256 packed bytes, in both bytes of a lane, puts each
+    nibble's code on its partition: 32j + 16h + q holds k = 32j + 2q + h."""
     c = np.arange(16)
     byte = (((c & 7) << 2) | ((c & 8) << 4)).astype(np.uint8)
     np.testing.assert_array_equal(byte.view(ml_dtypes.float8_e4m3).astype(np.float64),
                                   np.asarray(codecs.e2m1_decode(np, c), np.float64) * 2.0 ** -6)
     N, K = 256, 128
     packed = ((np.arange(N)[:, None] * 3 + np.arange(K // 2)[None, :] * 37) % 256).astype(np.uint8)[None]
-    assert len(np.unique(packed)) == 256
-
-    def decode_kernel(pk, scale):
-        s = moe._Stack(pk, scale, "fp4", (1, 32), nl.bfloat16)
-        reg = nisa.register_alloc(0)
-        slab = moe._load_slab(pk, reg, 0, N, s, moe._fp4_shift())
-        out = nl.ndarray((128, N), nl.uint8, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=slab.view(nl.uint8)[:, 0, :])
-        return out
-
-    got = _run(decode_kernel, packed, np.zeros((1, N, K // 32), np.uint8))        # [partition, n]
+    for lane_byte in (0, 1):                       # even n: a lane's low byte, odd n: its high byte
+        assert len(np.unique(packed[0, lane_byte::2])) == 256
+    got = _run(_decode_kernel, packed, np.zeros((1, N, K // 32), np.uint8))      # [partition, n]
     p = np.arange(128)
     k = 32 * (p // 32) + 2 * (p % 16) + (p % 32) // 16
     nib = np.where(k % 2 == 0, packed[0][:, k // 2] & 15, packed[0][:, k // 2] >> 4).T
     np.testing.assert_array_equal(got, byte[nib])
+
+
+def _share_kernel(n_tiles: int, n_cols: int):
+    """Each program's moe._share(n_tiles, n_cols), int32 [programs, 5], row = program id."""
+    programs = nl.num_programs(axes=0)
+    pid = nl.program_id(axis=0)
+    out = nl.ndarray((programs, 5), nl.int32, buffer=nl.shared_hbm)
+    share = moe._share(n_tiles, n_cols)
+    t = nl.ndarray((1, 5), nl.int32, buffer=nl.sbuf)
+    for i in range(5):
+        nisa.memset(dst=t[0:1, i:i + 1], value=share[i])
+    nisa.dma_copy(dst=out[pid:pid + 1, :], src=t)
+    return out
+
+
+@pytest.mark.parametrize("n_tiles,n_cols", [(1, 2048), (1, 5120), (3, 2304), (6, 4096), (2, 64), (1, 64)])
+def test_share_gives_each_output_one_writer(n_tiles, n_cols):
+    """The split of a launch's work: every (row tile, 128-column tile) has exactly one program; at decode shapes
+    (the shared expert's one tile, an odd gather count, V4 / V4.1 widths) every program reads weights."""
+    got = _run(_share_kernel, n_tiles, n_cols)
+    cols = -(-n_cols // 128)
+    writers = np.zeros((n_tiles, cols), np.int64)
+    work = []
+    for first, count, split, c_lo, c_hi in got:
+        assert split == n_tiles - n_tiles % LNC and c_lo % 128 == 0
+        writers[first:first + count] += 1
+        writers[split:, c_lo // 128:-(-c_hi // 128)] += 1
+        work.append(count * cols + (n_tiles - split) * max(0, -(-c_hi // 128) - c_lo // 128))
+    np.testing.assert_array_equal(writers, 1)
+    if cols >= LNC:
+        assert min(work) > 0 and max(work) - min(work) <= n_tiles, work
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -150,7 +200,8 @@ GATE_UP = [   # fmt, block, dtype, RE, d, I, N rows, rows per tile
     ("fp8", (32, 32), np.float32, 4, 128, 64, 4, 2),
     ("float", None, np.float32, 4, 128, 64, 4, 2),
     ("float", None, BF16, 4, 192, 192, 3, 3),
-    ("fp4", (1, 32), BF16, 2, 4096, 2048, 2, 2),            # V4-Flash routed experts: 2 rows of expert 0 or 1
+    ("fp4", (1, 32), BF16, 2, 4096, 2048, 2, 2),            # V4-Flash routed experts: 2 rows of expert 0 or 1 (no
+                                                            # decode lane fp32 cannot hold: the emulation checks)
     ("fp8", (32, 32), BF16, 1, 5120, 2304, 2, 2),           # V4.1 shared expert: partial 512-column slab
 ]
 
@@ -210,6 +261,29 @@ def test_down_kernel(fmt, block, dtype, RE, I, d, N, rows):
         assert (np.abs(got[r] - want) <= 2 * gamma).all()
 
 
+def test_shared_expert_decode_tile_runs_on_both_cores():
+    """The shared expert at decode: one row tile of one row, V4's 128 x 128 fp8 blocks. At LNC=2 the output columns
+    are split (gate-up: I = 384, 2 + 1 column tiles; down: d = 512, 2 + 2), every element written once (the
+    simulation refuses a second writer and an unwritten element), and the result is LNC=1's bit for bit: each
+    output tile is computed by the same instructions on either core."""
+    rng = np.random.default_rng(11)
+    d, I, block = 512, 384, (128, 128)
+    x = (rng.normal(size=(1, d)) * 4).astype(BF16)
+    (w1, s1, W1), (w3, s3, W3), (w2, s2, W2) = (_stack(rng, "fp8", 1, N, K, block, BF16)
+                                                 for N, K in ((I, d), (I, d), (d, I)))
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.int32)
+    a = {lnc: _run(moe.expert_gate_up_kernel, x, one, zero, w1, s1, w3, s3, LIMIT, 1, "fp8", block, lnc=lnc)
+         for lnc in (LNC, 1)}
+    np.testing.assert_array_equal(a[LNC], a[1])
+    exact, delta = _gate_up_exact(x.astype(np.float64), W1[0], W3[0], np.ones(1))
+    assert (np.abs(a[LNC] - exact) <= delta).all()
+    ab = a[LNC].astype(BF16)
+    y = {lnc: _run(moe.expert_down_kernel, ab, zero, w2, s2, 1, "fp8", block, lnc=lnc) for lnc in (LNC, 1)}
+    np.testing.assert_array_equal(y[LNC], y[1])
+    a64 = ab.astype(np.float64)
+    assert (np.abs(y[LNC] - a64 @ W2[0].T) <= _gamma(a64, W2[0])).all()
+
+
 @pytest.mark.skipif(not getattr(nki, "EMULATED", False), reason="the emulation's error; the real simulator's differs")
 def test_kernel_refuses_an_out_of_range_expert():
     """A tile id past the stack is a DMA out of bounds (oob_mode.error), not a silent read of other memory."""
@@ -225,22 +299,34 @@ def _host(arrays):
     return [None if a is None else np.asarray(a) for a in arrays]
 
 
-def _simulated(monkeypatch):
-    """Run the ops' kernels as nki.simulate calls on the arrays' values, through jax.pure_callback (the emulated
-    nki.jit lowers to a custom call that cannot run on CPU): the ops then jit as a whole."""
-    def gate_up(x, wt, ids, w1, s1, w3, s3, *static):
-        def host(*arrays):
-            return _run(moe.expert_gate_up_kernel, *_host(arrays), *static)
-        out = jax.ShapeDtypeStruct((x.shape[0], w1.shape[1]), jnp.float32)
-        return jax.pure_callback(host, out, x, wt, ids, w1, s1, w3, s3)
+class _HostKernel:
+    """Stands in for moe._gate_up / moe._down in the ops: kernel[lnc](*args) runs the body under nki.simulate at
+    that LNC on the arrays' values, through jax.pure_callback (the emulated nki.jit lowers to a custom call that
+    cannot run on CPU), so the ops jit as a whole; the launch widths used are recorded."""
 
-    def down(a, ids, w2, s2, *static):
-        def host(*arrays):
-            return _run(moe.expert_down_kernel, *_host(arrays), *static)
-        return jax.pure_callback(host, jax.ShapeDtypeStruct((a.shape[0], w2.shape[1]), jnp.float32), a, ids, w2, s2)
+    def __init__(self, body, n_arrays: int, weight: int, lncs: list, lnc=None):
+        self.body, self.n_arrays, self.weight, self.lncs, self.lnc = body, n_arrays, weight, lncs, lnc
 
-    monkeypatch.setattr(moe, "_gate_up", gate_up)
-    monkeypatch.setattr(moe, "_down", down)
+    def __getitem__(self, lnc):
+        return _HostKernel(self.body, self.n_arrays, self.weight, self.lncs, lnc)
+
+    def __call__(self, *args):
+        assert self.lnc is not None, "the ops launch their kernels at an LNC (launch(kernel))"
+        self.lncs.append(self.lnc)
+        arrays, static = args[:self.n_arrays], args[self.n_arrays:]
+
+        def host(*values):
+            return _run(self.body, *_host(values), *static, lnc=self.lnc)
+        out = jax.ShapeDtypeStruct((arrays[0].shape[0], arrays[self.weight].shape[1]), jnp.float32)
+        return jax.pure_callback(host, out, *arrays)
+
+
+def _simulated(monkeypatch) -> list:
+    """Swap the ops' kernels for _HostKernel stand-ins; returns the list of launch widths they record."""
+    lncs = []
+    monkeypatch.setattr(moe, "_gate_up", _HostKernel(moe.expert_gate_up_kernel, 7, 3, lncs))
+    monkeypatch.setattr(moe, "_down", _HostKernel(moe.expert_down_kernel, 4, 2, lncs))
+    return lncs
 
 
 def _q_interval(lo, hi, numerics, dtype, quantized):
@@ -345,8 +431,9 @@ def test_routed_op_matches_reference(monkeypatch, op, fmt, numerics, dtype, T):
     layer = jnp.asarray(1, jnp.int32)
     args = (x, jnp.asarray(idx), jnp.asarray(weight), w1, w2, w3, layer, LIMIT, numerics)
     want = np.asarray(jax.jit(getattr(reference, op), static_argnums=(7, 8))(*args))
-    _simulated(monkeypatch)
+    lncs = _simulated(monkeypatch)
     got = np.asarray(jax.jit(getattr(moe, op), static_argnums=(7, 8))(*args))
+    assert lncs == [logical_nc_config()] * 2
     assert got.shape == want.shape == (T, d) and got.dtype == np.float32
     bound = _bound(np.asarray(x), idx, weight, W1, W2, W3, 1, numerics, dtype, fmt != "float")
     assert (np.abs(got - want) <= bound).all(), np.max(np.abs(got - want) / bound)
@@ -373,8 +460,9 @@ def test_shared_expert_matches_reference(monkeypatch, fmt, block, numerics, dtyp
     x = jnp.asarray(rng.normal(size=(T, d)), dtype)
     args = (x.reshape(1, T, d), *ws, LIMIT, numerics)            # [..., d] inputs keep their leading dims
     want = np.asarray(jax.jit(reference.shared_expert, static_argnums=(4, 5))(*args))
-    _simulated(monkeypatch)
+    lncs = _simulated(monkeypatch)
     got = np.asarray(jax.jit(moe.shared_expert, static_argnums=(4, 5))(*args))
+    assert lncs == [logical_nc_config()] * 2
     assert got.shape == want.shape == (1, T, d)
     W1, W2, W3 = decs
     bound = _bound(np.asarray(x), np.zeros((T, 1), np.int32), np.ones((T, 1), np.float32), W1, W2, W3, 0, numerics,
@@ -404,5 +492,6 @@ def test_ops_lower_to_two_custom_calls_with_raw_codes():
         assert text.count(nki.CUSTOM_CALL_TARGET) == 2, op
         gate_up, down = nki.RECORDED
         assert (gate_up["kernel"], down["kernel"]) == ("expert_gate_up_kernel", "expert_down_kernel")
+        assert gate_up["grid"] == down["grid"] == logical_nc_config()
         assert [dt for _, dt in gate_up["inputs"][3:]] == ["uint8"] * 4     # w1 packed, scale, w3 packed, scale
         assert [dt for _, dt in down["inputs"][2:]] == ["uint8"] * 2

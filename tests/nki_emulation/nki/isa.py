@@ -41,9 +41,26 @@ def _f32(t: NkiTensor) -> np.ndarray:
     return t.data.astype(np.float32)
 
 
+def _race(t: NkiTensor, what: str) -> np.ndarray | None:
+    """The writer flags of a shared-HBM view, after checking no other program of the launch wrote it (cores of an
+    LNC launch run concurrently: a second writer, or a reader of another core's output, is a race)."""
+    flags = nl.writer(t)
+    if flags is not None:
+        pid = nl._LAUNCH.pid
+        other = (flags >= 0) & (flags != pid)
+        if other.any():
+            raise NKIError(f"{what}: program {pid} touches {int(other.sum())} elements of shared-HBM tensor "
+                           f"{t.shape} that program {int(flags[other].flat[0])} wrote (the cores of an LNC launch run "
+                           "concurrently: split the work so each output element has one writer)")
+    return flags
+
+
 def _write(dst: NkiTensor, value: np.ndarray, by_matmul: bool = False) -> None:
     if not dst.writable:
         raise NKIError("dst is a broadcast or gathered view: it cannot be written")
+    flags = _race(dst, "a write")
+    if flags is not None:
+        flags[...] = nl._LAUNCH.pid
     if dst.dtype.kind in "iub" and value.dtype.kind == "f":
         value = np.rint(value)         # fp32 -> int: round to nearest even [the hardware's mode is unconfirmed]
     dst.data[...] = value.astype(dst.dtype) if value.dtype != dst.dtype else value
@@ -56,6 +73,29 @@ def _one_bit_pattern_type(what: str, *ts: NkiTensor) -> None:
     if len({t.dtype for t in ts}) != 1:
         raise NKIError(f"{what}: bit-vector inputs and dst must share one integer dtype (no casting), got "
                        f"{', '.join(str(t.dtype) for t in ts)}")
+
+
+def _exact_in_fp32(what: str, *values) -> None:
+    """32-bit integer lanes on the Vector / Scalar / GpSimd engines: aws-neuron-sdk issue #1308 quotes the engines
+    casting 32-bit types through fp32, so a 32-bit integer (tile element, immediate or result) that fp32 cannot hold
+    exactly (above 2^24, unless a multiple of a large enough power of two) is refused here rather than silently
+    rounded; 8- and 16-bit lanes are always exact."""
+    for v in values:
+        if isinstance(v, NkiTensor):
+            v = v.data
+        a = np.asarray(v)
+        if a.dtype.kind not in "iu" or a.dtype.itemsize < 4:
+            if isinstance(v, (int, np.integer)) and not -2 ** 24 <= int(v) <= 2 ** 24:
+                a = np.asarray(v, np.int64)
+            else:
+                continue
+        wide = a.astype(np.int64)
+        back = wide.astype(np.float32).astype(np.float64)
+        bad = back != wide.astype(np.float64)
+        if bad.any():
+            first = int(wide[bad].flat[0]) & 0xFFFFFFFF
+            raise NKIError(f"{what}: the 32-bit integer 0x{first:08X} is not exact in fp32, and the engines cast 32-bit "
+                           "integers through fp32 (issue #1308): use 8- or 16-bit lanes")
 
 
 def _same_partitions(dst: NkiTensor, *srcs: NkiTensor, what: str) -> None:
@@ -100,6 +140,7 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, dge_mode=dge_mode.unknown, oob_mode
         raise NKIError(f"dma_copy: {src.shape} -> {dst.shape} differ in element count")
     if dge_mode is globals()["dge_mode"].hwdge and dst.dtype != src.dtype:
         raise NKIError("hwdge DMA needs matching dtypes")
+    _race(src, "a read")
     value = src.data.reshape(dst.shape)
     if dst.dtype != src.dtype:
         value = value.astype(np.float32)
@@ -109,6 +150,8 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, dge_mode=dge_mode.unknown, oob_mode
 def tensor_copy(dst: NkiTensor, src: NkiTensor, engine=None, name=None) -> None:
     _on_chip("tensor_copy", dst, src)
     _same_partitions(dst, src, what="tensor_copy")
+    if dst.dtype.kind in "iu" and src.dtype.kind in "iu":
+        _exact_in_fp32("tensor_copy", src)
     value = src.data.reshape(dst.shape)
     _write(dst, value if value.dtype == dst.dtype else value.astype(np.float32))
 
@@ -156,7 +199,8 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor, is_stati
                        "stationary free <= 128, moving free <= 512)")
     if dst.shape != (M, N):
         raise NKIError(f"nc_matmul dst must be {(M, N)}, got {dst.shape}")
-    prod = (stationary.data.astype(np.float64).T @ moving.data.astype(np.float64)).astype(np.float32)
+    # products and sums in fp32 (the PE array's fp32 accumulation; bf16 / fp8 products are exact in fp32)
+    prod = np.matmul(stationary.data.astype(np.float32).T, moving.data.astype(np.float32))
     written = nl.matmul_written(dst)
     acc = written.astype(bool) if accumulate is None else np.full(dst.shape, bool(accumulate))
     if accumulate and not written.all():
@@ -166,6 +210,48 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor, is_stati
 
 
 # ---------------------------------------------------------------------- vector / scalar engines
+# The Scalar Engine approximates activation functions with piece-wise polynomials (nki.api.shared.rst, "Supported
+# Activation Functions"); their accuracy is not documented. The emulation assumes a relative error of at most
+# ACTIVATION_REL_ERROR and returns a value anywhere in that band, chosen deterministically from the input's bits (the
+# same input always gives the same output, as hardware would); an exp that underflows fp32's normal range comes back
+# as a value in [0, FLT_MIN] rather than exactly 0. Inputs outside a function's documented valid range are refused
+# ("the Scalar Engine will generate invalid output results"). Identity, relu, square and abs are exact.
+ACTIVATION_REL_ERROR = 2.0 ** -16
+_FLT_MIN = np.float32(2.0 ** -126)
+_EXP_UNDERFLOW = np.float32(-87.33654)      # log(FLT_MIN)
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    """A deterministic value in [-1, 1) per fp32 input (a hash of its bits)."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    h = (bits * np.uint64(0x9E3779B1) + np.uint64(0x7F4A7C15)) & np.uint64(0xFFFFFFFF)
+    h ^= h >> np.uint64(15)
+    h = (h * np.uint64(0x2C1B3C6D)) & np.uint64(0xFFFFFFFF)
+    return (h.astype(np.float64) / 2.0 ** 31 - 1.0).astype(np.float32)
+
+
+def scalar_engine(op: _Op, x: np.ndarray) -> np.ndarray:
+    """op(x) as the emulated Scalar Engine computes it (fp32 in, fp32 out)."""
+    x = np.asarray(x, np.float32)
+    if op.valid is not None:
+        lo, hi = op.valid
+        mag = np.abs(x) if op.name == "reciprocal" else x
+        bad = (mag < lo) | (mag > hi)
+        if bad.any():
+            raise NKIError(f"activation {op}: input {float(x[bad].flat[0])!r} is outside its valid range "
+                           f"[{lo!r}, {hi!r}] (the Scalar Engine returns invalid results there)")
+    with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+        y = np.asarray(op.fn(x), np.float32)
+        if not op.approx:
+            return y
+        u = _unit(x)
+        y = (y * (np.float32(1) + np.float32(ACTIVATION_REL_ERROR) * u)).astype(np.float32)
+        if op.name == "exp":
+            tiny = np.isfinite(x) & (x < _EXP_UNDERFLOW)
+            y = np.where(tiny, _FLT_MIN * (np.float32(0.5) + np.float32(0.5) * u), y).astype(np.float32)
+    return y
+
+
 def activation(dst: NkiTensor, op: _Op, data: NkiTensor, bias=None, scale=1.0, reduce_op=None, reduce_res=None,
                reduce_cmd=reduce_cmd.idle, name=None) -> None:
     """dst = op(data * scale + bias), fp32 math; scale: a scalar or [P, 1]; bias: [P, 1] or a scalar."""
@@ -177,7 +263,7 @@ def activation(dst: NkiTensor, op: _Op, data: NkiTensor, bias=None, scale=1.0, r
     x = x * (_operand(nl.multiply, scale, data, "activation scale") if isinstance(scale, NkiTensor) else np.float32(scale))
     if bias is not None:
         x = x + _operand(nl.add, bias, data, "activation bias")
-    y = np.asarray(op.fn(x), np.float32)
+    y = scalar_engine(op, x)
     _write(dst, y.reshape(dst.shape))
     if reduce_op is not None:
         if reduce_op is not nl.add or reduce_res is None:
@@ -200,8 +286,12 @@ def tensor_tensor(dst: NkiTensor, data1: NkiTensor, data2: NkiTensor, op: _Op, e
         raise NKIError(f"{op} needs integer tiles")
     if op.kind == "bitvec":
         _one_bit_pattern_type(f"tensor_tensor {op}", dst, data1, data2)
+        _exact_in_fp32(f"tensor_tensor {op}", data1, data2)
     a, b = data1.data.reshape(dst.shape), data2.data.reshape(dst.shape)
-    _write(dst, _apply(op, a, b))
+    y = _apply(op, a, b)
+    if op.kind == "bitvec":
+        _exact_in_fp32(f"tensor_tensor {op} result", y.astype(dst.dtype))
+    _write(dst, y)
 
 
 def tensor_scalar(dst: NkiTensor, data: NkiTensor, op0: _Op, operand0, reverse0: bool = False, op1: _Op | None = None,
@@ -216,9 +306,17 @@ def tensor_scalar(dst: NkiTensor, data: NkiTensor, op0: _Op, operand0, reverse0:
     if op0.kind == "bitvec":
         _one_bit_pattern_type(f"tensor_scalar {op0}", dst, data)
     x = data.data if op0.kind == "bitvec" else _f32(data)
-    y = _apply(op0, x, _operand(op0, operand0, data, "tensor_scalar operand0"), reverse0)
+    o0 = _operand(op0, operand0, data, "tensor_scalar operand0")
+    if op0.kind == "bitvec":
+        _exact_in_fp32(f"tensor_scalar {op0}", x, o0)
+    y = _apply(op0, x, o0, reverse0)
     if op1 is not None:
-        y = _apply(op1, y, _operand(op1, operand1, data, "tensor_scalar operand1"), reverse1)
+        o1 = _operand(op1, operand1, data, "tensor_scalar operand1")
+        if op1.kind == "bitvec":
+            _exact_in_fp32(f"tensor_scalar {op0}/{op1}", np.asarray(y).astype(dst.dtype), o1)
+        y = _apply(op1, y, o1, reverse1)
+    if op0.kind == "bitvec":
+        _exact_in_fp32(f"tensor_scalar {op0} result", np.asarray(y).astype(dst.dtype))
     _write(dst, np.asarray(y).reshape(dst.shape))
 
 
@@ -297,27 +395,30 @@ def _eight_vals(what: str, data: NkiTensor, vals: NkiTensor, least: int) -> tupl
 
 def nc_find_index8(dst: NkiTensor, data: NkiTensor, vals: NkiTensor, name=None) -> None:
     """The position of each of the 8 values per partition (uint16/uint32 [P, 8]): its first occurrence; a value
-    repeated in vals takes the next occurrences in turn (ascending distinct positions). [The stored NKI docs only
-    say "first occurrence"; the duplicate rule is the one a third party measured on trn1.]"""
+    repeated in vals takes the next occurrences in turn, in ascending order across the dst columns (the NKI 0.6
+    stub of nc_match_replace8: "nc_find_index8 ... pairs duplicate vals with their matching positions in ascending
+    order"); a value absent from its partition gives the all-ones sentinel (0xFFFFFFFF / 0xFFFF)."""
     _on_chip("nc_find_index8", dst, data, vals)
     x, v = _eight_vals("nc_find_index8", data, vals, 8)
     _index_dst("nc_find_index8", dst, data.shape[0])
     rows = np.arange(x.shape[0])
     taken = np.zeros(x.shape, bool)
     pos = np.zeros(v.shape, np.int64)
+    absent = np.int64(0xFFFF if dst.dtype == nl.uint16 else 0xFFFFFFFF)
     for j in range(8):
         hit = (x == v[:, j:j + 1]) & ~taken
-        if not hit.any(axis=1).all():
-            raise NKIError("nc_find_index8: a value is absent from its partition (undefined on hardware)")
-        pos[:, j] = np.argmax(hit, axis=1)
-        taken[rows, pos[:, j]] = True
-    _write(dst, pos.astype(np.uint32).reshape(dst.shape))
+        found = hit.any(axis=1)
+        pos[:, j] = np.where(found, np.argmax(hit, axis=1), absent)
+        taken[rows[found], pos[found, j]] = True
+    _write(dst, pos.astype(dst.dtype).reshape(dst.shape))
 
 
 def nc_match_replace8(dst: NkiTensor, data: NkiTensor, vals: NkiTensor, imm: float, dst_idx=None, name=None) -> None:
-    """The docs' NumPy equivalent: for each of the 8 values in turn, its first occurrence in data (as replaced so
-    far) is replaced by imm and, with dst_idx (uint16/uint32 [P, 8]), its position written there. data <= 16384
-    elements per partition; dst has data's shape."""
+    """The NKI 0.6 stub: the first occurrence of each of the 8 values in data is replaced by imm and, with dst_idx
+    (uint16/uint32 [P, 8]), its position written there. The values are processed in reverse order (i = 7 .. 0),
+    each taking the first occurrence not yet replaced: among duplicate vals the smallest position goes to the
+    highest dst_idx slot (vals [3, 8 x 7] over data [1, 2, 3, 4, 8 x 7] give [2, 10, 9, 8, 7, 6, 5, 4]), the opposite
+    of nc_find_index8. data <= 16384 elements per partition; dst has data's shape."""
     _on_chip("nc_match_replace8", dst, data, vals)
     x, v = _eight_vals("nc_match_replace8", data, vals, 1)
     x = x.copy()
@@ -328,7 +429,7 @@ def nc_match_replace8(dst: NkiTensor, data: NkiTensor, vals: NkiTensor, imm: flo
         _index_dst("nc_match_replace8 dst_idx", dst_idx, data.shape[0])
     rows = np.arange(x.shape[0])
     pos = np.zeros(v.shape, np.int64)
-    for j in range(8):
+    for j in range(7, -1, -1):
         hit = x == v[:, j:j + 1]
         if not hit.any(axis=1).all():
             raise NKIError("nc_match_replace8: a value is absent from its partition (undefined on hardware)")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Callable
 
 import ml_dtypes
@@ -11,6 +12,98 @@ import numpy as np
 
 class NKIError(Exception):
     """What neuronx-cc or NKI's own checks would refuse."""
+
+
+class NKIObject:
+    """Base class of the classes a kernel may use (the language guide: "must inherit from NKIObject and no other
+    classes")."""
+
+    def __init__(self, **kwargs):
+        for k, v in kwargs.items():
+            setattr(self, k, v)
+
+
+# ------------------------------------------------------------------------------------------- the launch in progress
+SBUF_PARTITION_BYTES = 224 * 1024      # trn2 (NeuronCore-v3): 28 MiB of SBUF = 128 partitions x 224 KiB
+PSUM_BANK_BYTES = 2048
+
+
+@dataclass
+class _Launch:
+    """One program of a launch: its grid position, the shared-HBM tensors of the launch (program i's k-th shared
+    allocation is program 0's k-th: the kernel's outputs are one tensor for all cores), and this core's on-chip
+    memory in use."""
+    ndim: int = 0
+    num: int = 1
+    pid: int = 0
+    shared: list = field(default_factory=list)
+    n_shared: int = 0
+    live: dict = field(default_factory=lambda: {"sbuf": 0, "psum": 0})
+    peak: dict = field(default_factory=lambda: {"sbuf": 0, "psum": 0})
+
+
+_LAUNCH = _Launch()
+
+
+def program_ndim() -> int:
+    """Dimensions of the launch grid: 0 for kernel(...), 1 for kernel[lnc](...)."""
+    return _LAUNCH.ndim
+
+
+def num_programs(axes=0) -> int:
+    """Programs along axis 0 of the grid (1 without a grid, as the LNC guide says)."""
+    if axes not in (0, (0,), None):
+        raise NKIError(f"num_programs: the emulated grids are 1-D, got axes={axes!r}")
+    return _LAUNCH.num
+
+
+def program_id(axis=0) -> int:
+    if axis != 0:
+        raise NKIError(f"program_id: the emulated grids are 1-D, got axis={axis!r}")
+    return _LAUNCH.pid
+
+
+def _on_chip_bytes(shape, dtype, buffer) -> int:
+    per_partition = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
+    if buffer is psum:                                  # PSUM is handed out in 2 KiB banks
+        per_partition = -(-per_partition // PSUM_BANK_BYTES) * PSUM_BANK_BYTES
+    return per_partition
+
+
+def _allocate(data: np.ndarray, buffer) -> None:
+    """Count an SBUF/PSUM allocation against this core's capacity until its storage is freed (when the last view
+    goes: a tile's lifetime is its Python lifetime here, never shorter than the compiler's liveness)."""
+    name = buffer.name
+    n = _on_chip_bytes(data.shape, data.dtype, buffer)
+    launch = _LAUNCH
+    launch.live[name] += n
+    launch.peak[name] = max(launch.peak[name], launch.live[name])
+    cap = SBUF_PARTITION_BYTES if buffer is sbuf else PSUM_PARTITION_BYTES
+    if launch.live[name] > cap:
+        launch.live[name] -= n
+        raise NKIError(f"{name} over capacity: allocating {n} bytes per partition ({data.shape} {data.dtype}) with "
+                       f"{launch.live[name]} in use exceeds the {cap} bytes of a partition")
+
+    def release(launch=launch, name=name, n=n):
+        launch.live[name] -= n
+    weakref.finalize(data, release)
+
+
+def _shared_output(shape, dtype) -> "NkiTensor | None":
+    """Program > 0 of a launch: the shared-HBM tensor program 0 allocated at this point, else None."""
+    launch = _LAUNCH
+    k = launch.n_shared
+    launch.n_shared += 1
+    if launch.pid == 0:
+        return None
+    if k >= len(launch.shared):
+        raise NKIError(f"program {launch.pid} allocates shared-HBM tensor #{k} that program 0 did not: the programs "
+                       "of one launch must allocate the same outputs")
+    t = launch.shared[k]
+    if t.shape != tuple(shape) or t.dtype != np.dtype(dtype):
+        raise NKIError(f"program {launch.pid} allocates shared-HBM tensor #{k} as {tuple(shape)} {np.dtype(dtype)}, "
+                       f"program 0 as {t.shape} {t.dtype}")
+    return t
 
 
 @dataclass(frozen=True)
@@ -41,6 +134,7 @@ class tile_size:
     psum_num_banks = 8
     gemm_stationary_fmax = 128
     gemm_moving_fmax = 512
+    sbuf_fmax_bytes = 224 * 1024
 
 
 PSUM_PARTITION_BYTES = tile_size.psum_bank_fmax_bytes * tile_size.psum_num_banks
@@ -186,10 +280,21 @@ def ndarray(shape, dtype, buffer: _Buffer = sbuf, name: str = "") -> NkiTensor:
     shape = tuple(int(s) for s in shape)
     if buffer is psum and int(np.prod(shape[1:])) * dtype.itemsize > PSUM_PARTITION_BYTES:
         raise NKIError(f"psum tensor of {shape} {dtype} exceeds the {PSUM_PARTITION_BYTES} bytes of a partition")
+    if buffer is shared_hbm:
+        t = _shared_output(shape, dtype)
+        if t is not None:
+            return t
     fill = np.nan if dtype.kind == "f" or dtype in (bfloat16, float8_e4m3, float8_e5m2, float8_e4m3fn) else 4
     t = NkiTensor(np.full(shape, fill, dtype), buffer, name)
     if buffer is psum:
-        _MATMUL_WRITTEN[id(t.data)] = (t.data, np.zeros(t.data.size, np.int8))
+        key = id(t.data)                    # (no strong reference: a PSUM tile's bank is free once it is gone)
+        _MATMUL_WRITTEN[key] = (None, np.zeros(t.data.size, np.int8))
+        weakref.finalize(t.data, _MATMUL_WRITTEN.pop, key, None)
+    if buffer in _ON_CHIP:
+        _allocate(t.data, buffer)
+    if buffer is shared_hbm:
+        _WRITER[id(t.data)] = (t.data, np.full(t.data.size, -1, np.int8))
+        _LAUNCH.shared.append(t)
     return t
 
 
@@ -208,14 +313,34 @@ def _root(a: np.ndarray) -> np.ndarray:
     return a
 
 
+_WRITER: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # shared-HBM storage -> per-element writing program (-1)
+
+
+def _aligned(flags: np.ndarray, root: np.ndarray, view: np.ndarray) -> np.ndarray:
+    item = root.itemsize
+    start = (view.__array_interface__["data"][0] - root.__array_interface__["data"][0]) // item
+    return np.lib.stride_tricks.as_strided(flags[start:], shape=view.shape,
+                                           strides=tuple(s // item for s in view.strides))
+
+
 def matmul_written(t: NkiTensor) -> np.ndarray:
     """Writable int8 flags aligned with the PSUM view t: 1 where a matmul wrote since the last other write."""
     root = _root(t.data)
     _, flags = _MATMUL_WRITTEN[id(root)]
-    item = root.itemsize
-    start = (t.data.__array_interface__["data"][0] - root.__array_interface__["data"][0]) // item
-    return np.lib.stride_tricks.as_strided(flags[start:], shape=t.data.shape,
-                                           strides=tuple(s // item for s in t.data.strides))
+    return _aligned(flags, root, t.data)
+
+
+def writer(t: NkiTensor) -> np.ndarray | None:
+    """Writable int8 flags aligned with a shared-HBM view t: the program that wrote each element (-1: none yet);
+    None for other tensors."""
+    if t.buffer is not shared_hbm:
+        return None
+    ptr = t.data.__array_interface__["data"][0]
+    for root, flags in _WRITER.values():           # by address: access-pattern views (as_strided) lose .base
+        start = root.__array_interface__["data"][0]
+        if start <= ptr < start + max(root.nbytes, 1):
+            return _aligned(flags, root, t.data)
+    return None
 
 
 def ds(start: int, size: int) -> slice:
@@ -234,6 +359,8 @@ class _Op:
     name: str
     fn: Callable
     kind: str          # "arith", "bitvec", "compare" or "act"
+    approx: bool = False            # activations: a piece-wise polynomial on the Scalar Engine (see isa.activation)
+    valid: tuple | None = None      # activations: the documented valid input range (|x| for reciprocal)
 
     def __repr__(self) -> str:
         return f"nl.{self.name}"
@@ -262,14 +389,14 @@ left_shift = _Op("left_shift", np.left_shift, "bitvec")
 right_shift = _Op("right_shift", lambda a, b: (a.view(np.uint32 if a.dtype.itemsize == 4 else np.dtype(f"u{a.dtype.itemsize}"))
                                                 >> b).view(a.dtype), "bitvec")       # logical
 copy = _Op("copy", lambda x: x, "act")
-exp = _Op("exp", np.exp, "act")
-silu = _Op("silu", _silu, "act")
-sigmoid = _Op("sigmoid", lambda x: 1 / (1 + np.exp(-x)), "act")
+exp = _Op("exp", np.exp, "act", approx=True)
+silu = _Op("silu", _silu, "act", approx=True)
+sigmoid = _Op("sigmoid", lambda x: 1 / (1 + np.exp(-x)), "act", approx=True)
 square = _Op("square", np.square, "act")
-rsqrt = _Op("rsqrt", lambda x: 1 / np.sqrt(x), "act")
-sqrt = _Op("sqrt", np.sqrt, "act")
-reciprocal = _Op("reciprocal", lambda x: 1 / x, "act")
+rsqrt = _Op("rsqrt", lambda x: 1 / np.sqrt(x), "act", approx=True, valid=(2.0 ** -87, 2.0 ** 97))
+sqrt = _Op("sqrt", np.sqrt, "act", approx=True, valid=(2.0 ** -116, 2.0 ** 118))
+reciprocal = _Op("reciprocal", lambda x: 1 / x, "act", approx=True, valid=(2.0 ** -42, 2.0 ** 42))
 relu = _Op("relu", lambda x: np.maximum(x, 0), "act")
-tanh = _Op("tanh", np.tanh, "act")
-softplus = _Op("softplus", lambda x: np.logaddexp(0, x), "act")
+tanh = _Op("tanh", np.tanh, "act", approx=True)
+softplus = _Op("softplus", lambda x: np.logaddexp(0, x), "act", approx=True)
 abs = _Op("abs", np.abs, "act")  # noqa: A001

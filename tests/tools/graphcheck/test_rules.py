@@ -399,11 +399,22 @@ def test_s13_fp8():
     assert check(lambda c: c.astype(F) * 0.5, u8).ok
 
 
+def _nki_config(binary: str = __file__, grid: int | None = None) -> str:
+    """A backend config as jax-neuronx writes it (base64 JSON), naming `binary` as the compiled kernel."""
+    import base64
+    import json
+
+    from jdeep.platforms import logical_nc_config
+    config = {"func_name": "m.k", "kernel_format": "bir", "kernel_version": 1, "grid": grid or logical_nc_config(),
+              "klir_binary": {"binary": binary, "input_names": ["x"], "output_names": ["output0"]}}
+    return base64.b64encode(json.dumps(config).encode()).decode()
+
+
 S13_NKI_SNIPPET = """\
 module @m {
   func.func public @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
-    %0 = stablehlo.custom_call @AwsNeuronCustomNativeKernel(%arg0) {backend_config = "x"} : (tensor<4xf32>) -> tensor<4xf8E4M3>
-    %1 = stablehlo.custom_call @AwsNeuronCustomNativeKernel(%0) {backend_config = "y"} : (tensor<4xf8E4M3>) -> tensor<4xf32>
+    %0 = stablehlo.custom_call @AwsNeuronCustomNativeKernel(%arg0) {backend_config = "CONFIG"} : (tensor<4xf32>) -> tensor<4xf8E4M3>
+    %1 = stablehlo.custom_call @AwsNeuronCustomNativeKernel(%0) {backend_config = "CONFIG"} : (tensor<4xf8E4M3>) -> tensor<4xf32>
     %2 = "stablehlo.custom_call"(%1) <{call_target_name = "Sharding", mhlo.sharding = "{replicated}"}> : (tensor<4xf32>) -> tensor<4xf32>
     return %2 : tensor<4xf32>
   }
@@ -412,9 +423,21 @@ module @m {
 
 
 def test_s13_nki_custom_call_exempt_and_s17_allowed_targets():
-    assert check_text(S13_NKI_SNIPPET).ok
-    r = check_text(S13_NKI_SNIPPET.replace('"Sharding"', '"lapack_sgetrf_ffi"'))
+    text = S13_NKI_SNIPPET.replace("CONFIG", _nki_config())
+    assert check_text(text).ok
+    r = check_text(text.replace('"Sharding"', '"lapack_sgetrf_ffi"'))
     assert rules(r) == {"S17"} and r.violations[0].line == 5
+
+
+def test_n2_nki_calls_name_a_present_kernel_at_the_runtime_lnc(tmp_path):
+    """N2: an unreadable backend config, a launch at another LNC than the runtime's (a runtime error) and a compiled
+    kernel file that is not on this host (NCC_EVRF059) are each reported."""
+    from jdeep.platforms import logical_nc_config
+
+    for config, why in (("eA==", "not base64 JSON"), (_nki_config(grid=3 - logical_nc_config()), "launched at LNC"),
+                        (_nki_config(str(tmp_path / "gone.json")), "is missing")):
+        r = check_text(S13_NKI_SNIPPET.replace("CONFIG", config))
+        assert rules(r) == {"N2"} and why in r.violations[0].message, r.format()
 
 
 # ------------------------------------------------------------------------------------------------ S15 / N1
