@@ -16,7 +16,7 @@ import pytest
 from conftest import golden_path
 
 import jdeep
-from jdeep.tools.testing import replay_layer, row_cosine, teacher_forced_logits
+from jdeep.tools.testing import replay_layer, rounding_shift, row_cosine, teacher_forced_logits
 
 TOL = 1e-3
 NEAR_TIE = 0.05
@@ -139,17 +139,25 @@ def _check_layer_streams(folder, quant, prompts):
             if len(bad) == 0:
                 continue
             # A deviation beyond float rounding must be a quantisation flip: jdeep's own output is
-            # discontinuous there under a 1e-6 relative perturbation of the recorded inputs.
+            # discontinuous there under a 1e-6 relative perturbation of the recorded inputs, or under a
+            # 2e-6 relative shift (either sign) of its rounding inputs. The second catches a GEMM output within
+            # float rounding of the next quantiser's boundary: the GEMM's act-quantised input absorbs input noise.
             rng = np.random.default_rng(layer)
             jumps = np.zeros_like(dev)
             for _ in range(4):
                 xp = (x * (1 + 1e-6 * rng.standard_normal(x.shape))).astype(np.float32)
                 jumps = np.maximum(jumps, np.abs(replay_layer(model, layer, xp, ids, L, prefill_pad=pad)
                                                  - got).max(axis=(1, 2)))
+            for shift in (2e-6, -2e-6):
+                if (jumps[bad] > 1e-4).all():
+                    break
+                with rounding_shift(shift):
+                    shifted = replay_layer(model, layer, x, ids, L, prefill_pad=pad)
+                jumps = np.maximum(jumps, np.abs(shifted - got).max(axis=(1, 2)))
             for t in bad:
                 assert jumps[t] > 1e-4, f"{report[-1]}: position {t} deviates by {dev[t]:.1e} but jdeep's " \
                                         f"output is continuous there (not a quantisation flip)"
-                report[-1] += f"; pos {t} explained by a flip (jump {jumps[t]:.1e} under 1e-6 noise)"
+                report[-1] += f"; pos {t} explained by a flip (jump {jumps[t]:.1e})"
         assert n_bad <= 0.05 * outs.shape[0] * outs.shape[1]   # most of the stream agrees to float rounding
     print("\n".join(report))
 

@@ -3,12 +3,15 @@ row statistics. Used by the tests and handy in notebooks."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..kernels import codecs
 from ..layers.block import Streams, block
 from ..layers.chunk import make_chunk
 from ..layers.rope import inv_freq
@@ -17,7 +20,7 @@ from ..model.scan import slot_params
 from ..runtime.steps import length_bucket, run_step
 from ..state import slot_state_shapes
 
-__all__ = ["teacher_forced_logits", "replay_layer", "row_cosine"]
+__all__ = ["teacher_forced_logits", "replay_layer", "rounding_shift", "row_cosine"]
 
 
 def row_cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -96,3 +99,35 @@ def replay_layer(model: Model, layer: int, inputs: np.ndarray, ids: np.ndarray, 
                             numerics=model.numerics, kind=kind, freqs_key=None)
         outs.append(np.asarray(y[0]))
     return np.concatenate(outs)
+
+
+@contextlib.contextmanager
+def rounding_shift(rel: float) -> Iterator[None]:
+    """Within the block, replay_layer's programs see every fp8/fp4 rounding input and every power-of-two
+    scale choice multiplied by (1 + rel): each value within `rel` (relative) of a rounding boundary on that
+    side crosses it. Perturbing a layer's input cannot show such flips behind a GEMM: the GEMM's input is
+    act-quantised first, which absorbs the perturbation, so a GEMM output that lies within float rounding of
+    the next quantiser's boundary stays put (DeepSeek's golden sensitivity runs put the noise on the GEMM
+    outputs for the same reason). Test instrumentation: it swaps module functions of jdeep.kernels.codecs
+    and drops the replay's compiled programs on entry and exit."""
+    originals = {name: getattr(codecs, name) for name in ("_e4m3_steps", "e2m1_round", "ceil_log2")}
+    factor = 1.0 + rel
+
+    def shifted(name):
+        original = originals[name]
+
+        def fn(xp, x, *args):
+            if xp is jnp:
+                x = jnp.asarray(x, jnp.float32) * jnp.float32(factor)
+            return original(xp, x, *args)
+        return fn
+
+    _block_step.clear_cache()
+    try:
+        for name in originals:
+            setattr(codecs, name, shifted(name))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(codecs, name, original)
+        _block_step.clear_cache()
