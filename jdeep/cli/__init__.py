@@ -15,6 +15,7 @@ from .args import (BARE, RUNTIME, add_graph_args, add_load_args, add_process_arg
                    setup_compile_cache)
 from .commands import (cmd_bench, cmd_chat, cmd_check_graph, cmd_convert, cmd_demo, cmd_eval, cmd_export, cmd_generate,
                        cmd_info, cmd_serve)
+from .doctor import add_doctor_parser
 
 __all__ = ["main", "build_parser"]
 
@@ -198,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True)
     _speculative_tokens_arg(e)
     e.set_defaults(fn=cmd_export)
+    add_doctor_parser(sub)
     return p
 
 

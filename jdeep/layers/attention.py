@@ -19,6 +19,7 @@ from .indexer import index_select
 from .linear import dense
 from .norm import rms_norm
 from .rope import apply_rope
+from .stages import scope, stage
 
 __all__ = ["attention", "write_window", "output_projection", "window_keys"]
 
@@ -78,14 +79,15 @@ def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *
     qat = _kv_qat(numerics, config.rope_head_dim) if numerics.quantize_activations else None
     read, store = _kv_codec(numerics, config, x.dtype)
 
-    q_latent = rms_norm(dense(x, p["wq_a"], numerics), p["q_norm"], eps)
-    q = dense(q_latent, p["wq_b"], numerics).reshape(B, S, H, D)
-    q = _head_rms(q, eps)
-    q = apply_rope(q, pos[..., None], freqs)
-    kv = rms_norm(dense(x, p["wkv"], numerics), p["kv_norm"], eps)
-    kv = apply_rope(kv, pos, freqs)                                         # [B, S, D]
-    if qat is not None:
-        kv = qat(kv)
+    with scope("projection"):
+        q_latent = rms_norm(dense(x, p["wq_a"], numerics), p["q_norm"], eps)
+        q = dense(q_latent, p["wq_b"], numerics).reshape(B, S, H, D)
+        q = _head_rms(q, eps)
+        q = apply_rope(q, pos[..., None], freqs)
+        kv = rms_norm(dense(x, p["wkv"], numerics), p["kv_norm"], eps)
+        kv = apply_rope(kv, pos, freqs)                                     # [B, S, D]
+        if qat is not None:
+            kv = qat(kv)
 
     ring, ring_visible = window_keys(st, layer, chunk, W, read)
     t = pos[..., None]
@@ -114,9 +116,10 @@ def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *
             shared_keys.append(entries)
             shared_mask.append(jnp.arange(entries.shape[1], dtype=jnp.int32)[None, None, :] < visible_count[..., None])
 
-    o = kernels.get("sparse_attention")(
-        q, jnp.concatenate(shared_keys, axis=1), jnp.concatenate(shared_mask, axis=2),
-        sel_keys, sel_mask, p["attn_sink"], D ** -0.5)
+    with scope("attention_core"):
+        o = kernels.get("sparse_attention")(
+            q, jnp.concatenate(shared_keys, axis=1), jnp.concatenate(shared_mask, axis=2),
+            sel_keys, sel_mask, p["attn_sink"], D ** -0.5)
     st = {**st, "window": write_window(st["window"], layer, chunk, kv, W, store)}
     return output_projection(o, p, chunk, config=config, numerics=numerics, freqs=freqs, dtype=x.dtype), st
 
@@ -131,6 +134,7 @@ def write_window(window: jax.Array, layer: jax.Array, chunk: Chunk, kv: jax.Arra
     return window.at[layer, chunk.batch_index, slot].set(store(jnp.where(keep[..., None], kv, 0)).astype(window.dtype))
 
 
+@stage("projection")
 def output_projection(o: jax.Array, p: dict, chunk: Chunk, *, config: ModelConfig, numerics: Numerics,
                       freqs: np.ndarray, dtype) -> jax.Array:
     """Attention output o [B, S, H, D] -> [B, S, d]: inverse RoPE at the query position, then the grouped

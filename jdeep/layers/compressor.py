@@ -17,6 +17,7 @@ from ..kernels.linear import linear_f32
 from .chunk import Chunk
 from .norm import rms_norm
 from .rope import apply_rope
+from .stages import stage
 
 __all__ = ["compress_chunk", "pool_chunk"]
 
@@ -71,6 +72,7 @@ def pool_chunk(a: jax.Array, z: jax.Array, buf_kv: jax.Array, buf_score: jax.Arr
     return pooled, g, g_valid, buf_kv, buf_score
 
 
+@stage("compressor")
 def compress_chunk(x: jax.Array, p: dict, cache: jax.Array, buf_kv: jax.Array, buf_score: jax.Array,
                    layer: jax.Array, chunk: Chunk, *, ratio: int, overlap: bool, freqs: np.ndarray,
                    norm_eps: float, qat: Callable[[jax.Array], jax.Array] | None = None,

@@ -15,10 +15,12 @@ from .chunk import Chunk
 from .compressor import compress_chunk
 from .linear import dense
 from .rope import apply_rope
+from .stages import stage
 
 __all__ = ["index_select"]
 
 
+@stage("indexer")
 def index_select(x: jax.Array, q_latent: jax.Array, p: dict, st: dict, layer: jax.Array, chunk: Chunk, *,
                  config: ModelConfig, numerics: Numerics, ratio: int, freqs: np.ndarray
                  ) -> tuple[jax.Array, jax.Array, dict, jax.Array]:

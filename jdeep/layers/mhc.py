@@ -9,10 +9,12 @@ from __future__ import annotations
 import jax
 
 from .. import kernels
+from .stages import stage
 
 __all__ = ["hc_mixes", "hc_split_sinkhorn", "hc_collapse", "hc_expand", "hc_head_collapse"]
 
 
+@stage("mhc")
 def hc_mixes(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
              hc_eps: float, sinkhorn_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """X [..., n, d] -> pre [..., n], post [..., n], comb [..., n, n] (fp32).
@@ -31,16 +33,19 @@ def hc_split_sinkhorn(mu: jax.Array, scale: jax.Array, base: jax.Array, *, n: in
     return kernels.get("hc_split_sinkhorn")(mu, scale, base, n=n, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
 
 
+@stage("mhc")
 def hc_collapse(X: jax.Array, pre: jax.Array) -> jax.Array:
     """Σ_i pre_i X_i in fp32, cast to X's dtype: [..., n, d] -> [..., d] (the `hc_collapse` hot op)."""
     return kernels.get("hc_collapse")(X, pre)
 
 
+@stage("mhc")
 def hc_expand(y: jax.Array, post: jax.Array, comb: jax.Array, X: jax.Array) -> jax.Array:
     """X'_k = post_k y + Σ_j comb[j, k] X_j  -> [..., n, d] in X's dtype (the `hc_expand` hot op)."""
     return kernels.get("hc_expand")(y, post, comb, X)
 
 
+@stage("mhc")
 def hc_head_collapse(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
                      hc_eps: float) -> jax.Array:
     """Final stream collapse before the norm and head: [..., n, d] -> [..., d]."""

@@ -12,6 +12,7 @@ from ..config import ModelConfig
 from ..kernels.linear import linear_f32
 from ..kernels.reference import stacked_experts
 from ..numerics import Numerics
+from .stages import scope, stage
 
 __all__ = ["route", "moe", "moe_expert_parallel", "DECODE_MAX_S"]
 
@@ -20,6 +21,7 @@ __all__ = ["route", "moe", "moe_expert_parallel", "DECODE_MAX_S"]
 DECODE_MAX_S = 16
 
 
+@stage("moe.router")
 def route(x: jax.Array, tokens: jax.Array, p: dict, *, config: ModelConfig, hash_moe: bool) -> tuple[jax.Array, jax.Array]:
     """x [T, d], tokens int32 [T] -> (expert ids int32 [T, k], weights fp32 [T, k]).
 
@@ -63,9 +65,11 @@ def moe(p: dict, experts: dict, layer: jax.Array, x: jax.Array, tokens: jax.Arra
     xt = x.reshape(B * S, d)
     idx, w = route(xt, tokens.reshape(-1), p["gate"], config=config, hash_moe=hash_moe)
     op = kernels.get(_routed_op(config, B * S, decode=S < DECODE_MAX_S))
-    routed = op(xt, idx, w, experts["w1"], experts["w2"], experts["w3"], layer, config.swiglu_limit, numerics)
+    with scope("moe.experts"):
+        routed = op(xt, idx, w, experts["w1"], experts["w2"], experts["w3"], layer, config.swiglu_limit, numerics)
     sh = p["shared_experts"]
-    shared = kernels.get("shared_expert")(xt, sh["w1"], sh["w2"], sh["w3"], config.swiglu_limit, numerics)
+    with scope("moe.shared"):
+        shared = kernels.get("shared_expert")(xt, sh["w1"], sh["w2"], sh["w3"], config.swiglu_limit, numerics)
     return (routed + shared).astype(x.dtype).reshape(B, S, d)
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import kernels
+from .stages import stage
 
 __all__ = ["rms", "rms_norm"]
 
@@ -16,6 +17,7 @@ def rms(x: jax.Array, eps: float) -> jax.Array:
     return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
+@stage("norm")
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """w ⊙ rms(x), returned in x's dtype (the `rms_norm` hot op: jnp reference or NKI kernel)."""
     return kernels.get("rms_norm")(x, weight, eps)

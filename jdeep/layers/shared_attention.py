@@ -31,6 +31,7 @@ from .compressor import pool_chunk
 from .linear import dense
 from .norm import rms_norm
 from .rope import apply_rope
+from .stages import scope, stage
 
 __all__ = ["Published", "empty_published", "shared_attention", "compress_source", "candidate_blocks",
            "candidate_mask", "query_heads", "window_entries", "window_codec"]
@@ -58,6 +59,7 @@ def empty_published(config: ModelConfig, B: int, S: int) -> Published:
                      jnp.zeros((B, S, Kb), jnp.int32), jnp.zeros((B, S, Kb), bool))
 
 
+@stage("compressor")
 def compress_source(x: jax.Array, p: dict, src: dict, row: jax.Array, chunk: Chunk, *, ratio: int,
                     freqs: np.ndarray, config: ModelConfig, numerics: Numerics) -> dict:
     """A KV source's compressor: pool the groups completed by this chunk into latents L_j (before RoPE),
@@ -124,6 +126,7 @@ def candidate_mask(blocks: jax.Array, kept: jax.Array, T: int, block: int) -> ja
     return jnp.repeat(mask, block, axis=-1)[..., :T]
 
 
+@stage("indexer")
 def _index_select(x: jax.Array, q_latent: jax.Array, p: dict, keys: jax.Array, chunk: Chunk, published: Published,
                   *, role: str, ratio: int, freqs: np.ndarray, config: ModelConfig, numerics: Numerics) -> Published:
     """An index source's top-k over its KV source's index keys [B, Tc+1, DI] (no Hadamard in V4.1)."""
@@ -158,6 +161,7 @@ def _index_select(x: jax.Array, q_latent: jax.Array, p: dict, keys: jax.Array, c
     return Published(idx, selected, blocks, kept)
 
 
+@stage("projection")
 def query_heads(p: dict, x: jax.Array, positions: jax.Array, freqs: np.ndarray, *, config: ModelConfig,
                 numerics: Numerics) -> tuple[jax.Array, jax.Array]:
     """x [B, S, d] (after attn_norm) at positions int32 [B, S] -> (q latent [B, S, q_lora_rank], RoPE'd queries
@@ -168,6 +172,7 @@ def query_heads(p: dict, x: jax.Array, positions: jax.Array, freqs: np.ndarray, 
     return q_latent, apply_rope(q, positions[..., None], freqs)
 
 
+@stage("projection")
 def window_entries(p: dict, x: jax.Array, positions: jax.Array, freqs: np.ndarray, *, config: ModelConfig,
                    numerics: Numerics) -> tuple[jax.Array, jax.Array]:
     """The window K=V of x [B, S, d] at positions int32 [B, S]: (raw kv_norm(W_kv x) RoPE'd [B, S, D], the value
@@ -231,9 +236,10 @@ def shared_attention(p: dict, window: jax.Array, layer: jax.Array, sources: dict
         sel_keys = ckv_read(jnp.take_along_axis(entries[:, None], idx[..., None], axis=2))   # [B, S, K, D]
         sel_mask = published.selected
 
-    o = kernels.get("sparse_attention")(
-        q, jnp.concatenate([ring.astype(kv.dtype), kv], axis=1), jnp.concatenate([ring_visible, chunk_visible], axis=2),
-        sel_keys, sel_mask, p["attn_sink"], D ** -0.5)
+    with scope("attention_core"):
+        o = kernels.get("sparse_attention")(
+            q, jnp.concatenate([ring.astype(kv.dtype), kv], axis=1),
+            jnp.concatenate([ring_visible, chunk_visible], axis=2), sel_keys, sel_mask, p["attn_sink"], D ** -0.5)
     window = write_window(window, layer, chunk, kv_raw if numerics.packed_kv else kv, W, store)
     y = output_projection(o, p, chunk, config=config, numerics=numerics, freqs=freqs, dtype=x.dtype)
     return y, window, sources, published
