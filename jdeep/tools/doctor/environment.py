@@ -41,13 +41,6 @@ def _pinned() -> dict[str, str]:
     return out
 
 
-def _is_stub(version: str | None, pinned: str | None) -> bool:
-    """PyPI's placeholders of the Neuron wheels (jax-neuronx 0.0.0, libneuronxla 1.0, neuronx-cc 1.0.post1,
-    nki 0.0.1) are not the SDK's packages."""
-    return version is not None and pinned is not None and version.split(".")[0] != pinned.split(".")[0] \
-        and version in ("0.0.0", "1.0", "1.0.post1", "0.0.1")
-
-
 def environment(compiler: Compiler, env: dict | None = None) -> dict:
     """The report's environment section (JSON-able)."""
     env = dict(os.environ if env is None else env)
@@ -63,12 +56,11 @@ def environment(compiler: Compiler, env: dict | None = None) -> dict:
         found = versions[package]
         if package in _NEURON_ONLY and not neuron_target:
             continue                     # compiling with XLA:CPU: the Neuron stack is not needed
-        if wanted is None or (found == wanted):
+        if wanted is None or found == wanted:    # only the pinned packages are compared (PyPI's stubs differ too)
             continue
-        if found is None or _is_stub(found, wanted) or package in _NEURON_ONLY or package in ("jax", "jaxlib"):
-            index = f" --extra-index-url={NEURON_INDEX}" if package in _NEURON_ONLY else ""
-            missing.append({"package": package, "found": found, "wanted": wanted,
-                            "install": f"pip install '{package}=={wanted}'{index}"})
+        index = f" --extra-index-url={NEURON_INDEX}" if package in _NEURON_ONLY else ""
+        missing.append({"package": package, "found": found, "wanted": wanted,
+                        "install": f"pip install '{package}=={wanted}'{index}"})
     try:
         lnc = logical_nc_config(env)
     except ValueError as e:

@@ -23,6 +23,7 @@ import numpy as np
 from ...kernels import implementation, registered
 from ...model.load import load
 from ...runtime.generate import forward
+from ..testing import row_cosine
 
 __all__ = ["Check", "golden_checks", "regions_vs_scan", "kernels_vs_twins", "GOLDEN_ATOL", "KERNEL_CASES"]
 
@@ -36,11 +37,6 @@ class Check:
     status: str                   # "pass" | "fail" | "skip"
     detail: str
     metrics: dict = field(default_factory=dict)
-
-
-def _row_cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
 def _prompts(ref) -> list[int]:
@@ -68,7 +64,7 @@ def _statistical_check(name: str, model, ref) -> Check:
     i = max(idx, key=lambda i: len(ref[f"prompt_{i}"]))
     if f"full_logits_{i}" not in ref.files:
         return Check(name, "skip", "the reference has no full_logits to compare statistically")
-    c = _row_cosine(np.asarray(forward(model, ref[f"prompt_{i}"])), ref[f"full_logits_{i}"])
+    c = row_cosine(np.asarray(forward(model, ref[f"prompt_{i}"])), ref[f"full_logits_{i}"])
     med, p25 = float(np.median(c)), float(np.percentile(c, 25))
     ok = med >= COSINE_MEDIAN and p25 >= COSINE_P25
     return Check(name, "pass" if ok else "fail",

@@ -41,7 +41,7 @@ def latency(model: Model, batch_sizes: Sequence[int], prompt_len: int = 64, new_
 
 
 def dispatch_cost(model: Model, batch_sizes: Sequence[int], repeats: int = 200) -> dict:
-    """Per-call host cost and its share of a decode step (from `latency`'s ITL when the caller passes it on)."""
+    """Per-call host cost (a trivial program, called and waited for) times the calls of one decode step."""
     device = jax.devices()[0]
     x = jax.device_put(jnp.zeros((max(batch_sizes), 1), jnp.int32), device)
     trivial = jax.jit(lambda a: a + 1)
