@@ -72,6 +72,7 @@ def speculative(mesh: str) -> dict:
 def _local_ops(folder: str, mesh: str) -> dict:
     """The routed-expert kernel each expert shard runs, for this run's prefill and decode token counts."""
     from jdeep.config import ModelConfig
+    from jdeep.kernels import pair_kernel_limit
     from jdeep.layers.moe import _local_routed_op
     from jdeep.sharding import parse_mesh
 
@@ -79,7 +80,9 @@ def _local_ops(folder: str, mesh: str) -> dict:
     sizes = parse_mesh(mesh)
     n_local = padded_experts(cfg.n_routed_experts, sizes["expert"]) // sizes["expert"]
     per_shard = len(PROMPTS) // sizes["data"]
-    return {"prefill": _local_routed_op(cfg, per_shard * 16, n_local), "decode": _local_routed_op(cfg, per_shard, n_local)}
+    limit = pair_kernel_limit()      # what jdeep.load's Numerics take on this backend
+    return {"prefill": _local_routed_op(cfg, per_shard * 16, n_local, False, limit),
+            "decode": _local_routed_op(cfg, per_shard, n_local, True, limit)}
 
 
 def _expert_leaf(model):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from .registry import get
 
-__all__ = ["linear", "linear_f32", "dequant", "is_quantized_leaf", "stack_dims"]
+__all__ = ["linear", "linear_f32", "dequant", "is_quantized_leaf", "stack_dims", "from_bits"]
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -22,6 +22,12 @@ def linear_f32(x: jax.Array, w: jax.Array) -> jax.Array:
     """Same product with both operands cast to fp32 first (gate, compressor, mHC, head: spec §6.3)."""
     return jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), (((x.ndim - 1,), (1,)), ((), ())),
                                precision=jax.lax.Precision.HIGHEST)
+
+
+def from_bits(a: jax.Array) -> jax.Array:
+    """A bf16 weight carried as its uint16 bit patterns (kernels.registry.bf16_weights_as_bits) -> the bf16 array, a
+    bitcast; any other array unchanged. Called on slices, after the loop that sliced them."""
+    return jax.lax.bitcast_convert_type(a, jnp.bfloat16) if a.dtype == jnp.uint16 else a
 
 
 def is_quantized_leaf(w) -> bool:
@@ -42,7 +48,7 @@ def dequant(w: dict, numerics, dtype) -> jax.Array:
     load, model/weights.py) -> values in `dtype` (exact for float32 and bfloat16), through the dequant_fp8 /
     dequant_fp4 hot ops."""
     if "decoded" in w:
-        return w["decoded"].astype(dtype)
+        return from_bits(w["decoded"]).astype(dtype)
     if "codes" in w:
         return get("dequant_fp8")(w["codes"], w["scale"], numerics.weight_block, dtype, numerics.trn2_weights)
     return get("dequant_fp4")(w["packed"], w["scale"], dtype, numerics.fp4_block)

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .linear import dequant, linear_f32, stack_dims
+from .linear import dequant, from_bits, linear_f32, stack_dims
 from .quant import dequant_fp8, fp8_fake_quant
 from .registry import register
 
@@ -156,9 +156,9 @@ def _act(x: jax.Array, numerics, quantized: bool) -> jax.Array:
 
 def _weights(w, select, numerics, dtype) -> jax.Array:
     """Float expert weights, or quantized ones ({"codes"|"packed", "scale"}) decoded after `select`
-    picks the wanted rows (only the chosen experts are decoded)."""
+    picks the wanted rows (only the chosen experts are decoded); bf16 weights carried as bits bitcast back after it."""
     if not isinstance(w, dict):
-        return select(w)
+        return from_bits(select(w))
     return dequant({k: select(v) for k, v in w.items()}, numerics, dtype)
 
 
@@ -298,6 +298,10 @@ def moe_experts_gather(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, 
     q = isinstance(w1, dict)
     rows = jnp.repeat(_act(x, numerics, q), k, axis=0)                  # [T*k, d]
     experts, wts = idx.reshape(-1), weight.reshape(-1)
+    n = T * k + (T * k == stacked_experts(w1))      # a trip of exactly E would read as a loop over experts (S5)
+    if n > T * k:                                   # so one padding pair: weight 0 on a zero row, expert 0
+        rows = jnp.concatenate([rows, jnp.zeros_like(rows[:1])])
+        experts, wts = jnp.concatenate([experts, experts[:1] * 0]), jnp.concatenate([wts, wts[:1] * 0])
 
     def pair(_, i):
         def pick(a):
@@ -307,8 +311,8 @@ def moe_experts_gather(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, 
         a = _act(expert_gate_up(rows[i][None], W1, W3, limit, wts[i]).astype(x.dtype), numerics, q)
         return None, expert_down(a, W2)[0]
 
-    _, y = jax.lax.scan(pair, None, jnp.arange(T * k))                 # [T*k, d] fp32
-    return jnp.sum(y.reshape(T, k, -1), axis=1)
+    _, y = jax.lax.scan(pair, None, jnp.arange(n))                     # [n, d] fp32
+    return jnp.sum(y[:T * k].reshape(T, k, -1), axis=1)
 
 
 @register("moe_experts_grouped")

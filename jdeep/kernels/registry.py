@@ -13,7 +13,8 @@ from typing import Callable
 
 import jax
 
-__all__ = ["register", "get", "registered", "implementation", "weight_format"]
+__all__ = ["register", "get", "registered", "implementation", "weight_format", "pair_kernel_limit",
+           "bf16_weights_as_bits"]
 
 _IMPLS: dict[str, dict[str, Callable]] = {}
 _NEURON_LOADED = False
@@ -67,3 +68,24 @@ def weight_format(backend: str | None = None) -> str:
     kernels decode them on the fly (Neuron's NKI kernels read fp8/fp4 codes), "decoded" where the GEMMs are the jnp
     references, which would otherwise decode every weight again at every step (CPU, GPU). model/weights.py."""
     return "codes" if (backend or _backend()) == "neuron" else "decoded"
+
+
+# (token, expert) pairs per routed expert below which a decode step's MoE runs one expert slice per pair
+# (moe_experts_gather) rather than expert tiles (moe_experts_grouped_nosort). XLA:CPU runs a [1, d] x [I, d]^T
+# product at memory bandwidth but a [2..16, d] one through its GEMM path at a fifth of it (docs/performance.md),
+# so on CPU reading an expert once per pair beats reading it once per tile until pairs are about 8 per expert.
+_PAIR_KERNEL_LIMIT = {"cpu": 8}
+
+
+def pair_kernel_limit(backend: str | None = None) -> int:
+    """The decode crossover above for `backend` (default: JAX's): per-pair kernel while T*k < limit * E."""
+    return _PAIR_KERNEL_LIMIT.get(backend or _backend(), 1)
+
+
+def bf16_weights_as_bits(backend: str | None = None) -> bool:
+    """Whether a bfloat16 model's layer weights ride through the layer scan as their uint16 bit patterns on `backend`
+    (default: JAX's). XLA:CPU's float normalisation rewrites a bf16 array that a while loop slices into an f32 copy
+    made before the loop, at every step: the whole stacked weights converted and written out again (38x slower than
+    float32 weights, docs/performance.md). A uint16 operand is sliced as it is; the layer (scan body) or the expert
+    kernel bitcasts its slice back to bf16 (kernels.linear.from_bits), and the convert fuses into the product."""
+    return (backend or _backend()) == "cpu"

@@ -64,7 +64,7 @@ def moe(p: dict, experts: dict, layer: jax.Array, x: jax.Array, tokens: jax.Arra
     B, S, d = x.shape
     xt = x.reshape(B * S, d)
     idx, w = route(xt, tokens.reshape(-1), p["gate"], config=config, hash_moe=hash_moe)
-    op = kernels.get(_routed_op(config, B * S, decode=S < DECODE_MAX_S))
+    op = kernels.get(_routed_op(config, B * S, S < DECODE_MAX_S, numerics.pair_kernel_limit))
     with scope("moe.experts"):
         routed = op(xt, idx, w, experts["w1"], experts["w2"], experts["w3"], layer, config.swiglu_limit, numerics)
     sh = p["shared_experts"]
@@ -73,25 +73,29 @@ def moe(p: dict, experts: dict, layer: jax.Array, x: jax.Array, tokens: jax.Arra
     return (routed + shared).astype(x.dtype).reshape(B, S, d)
 
 
-def _routed_op(config: ModelConfig, n_tokens: int, decode: bool = False) -> str:
+def _routed_op(config: ModelConfig, n_tokens: int, decode: bool = False, pair_limit: int = 1) -> str:
     """The routed-expert op for n_tokens tokens: per-pair slices while the (token, expert) pairs are fewer than
-    the experts (T*k < E; at T*k == E the pair loop's trip would be the expert count, S5), else the tiled grouped
+    the experts (T*k < E), in a decode step while they are fewer than `pair_limit` times the experts (the target
+    platform's, Numerics.pair_kernel_limit: on CPU 8, its small-row GEMMs are slow, see docs/performance.md;
+    Neuron 1, whose S4 budget a loop of T*k trips would exceed at serving batches), else the tiled grouped
     matmul; in a decode program its sort-free twin (neuron-notes S6: no sort in decode), whose result is the
     same. `decode`: a decode-class step (the caller's S < DECODE_MAX_S: one token per sequence, as the decode
     programs of `tools.programs`, or a speculative verify step of k + 1 tokens); prefill chunks (S >= 16) may sort."""
-    if n_tokens * config.n_activated_experts < config.n_routed_experts:
+    pairs, E = n_tokens * config.n_activated_experts, config.n_routed_experts
+    if pairs < E or (decode and pairs < pair_limit * E):
         return "moe_experts_gather"
     return "moe_experts_grouped_nosort" if decode else "moe_experts_grouped"
 
 
-def _local_routed_op(config: ModelConfig, n_tokens: int, n_local: int, decode: bool = False) -> str:
+def _local_routed_op(config: ModelConfig, n_tokens: int, n_local: int, decode: bool = False, pair_limit: int = 1
+                     ) -> str:
     """The routed-expert kernel for one expert shard holding n_local experts. Every shard does the worst case
     (all T*k pairs could be its own), so when its experts are few it applies each of them to every token
     (reading each expert once) instead of slicing one expert per pair: with the per-pair kernel when
     n_local <= T*k, with the grouped ones (either) when n_local <= k (fewer rows than their T*k). `decode` as in
-    `_routed_op` (no sort in a decode program)."""
+    `_routed_op` (no sort in a decode program), `pair_limit` too."""
     k = config.n_activated_experts
-    pairs = _routed_op(config, n_tokens, decode)
+    pairs = _routed_op(config, n_tokens, decode, pair_limit)
     if n_local <= (n_tokens * k if pairs == "moe_experts_gather" else k):
         return "moe_experts_dense"
     return pairs
@@ -126,7 +130,7 @@ def moe_expert_parallel(p: dict, experts: dict, layer: jax.Array, x: jax.Array, 
     exp_specs = jax.tree_util.tree_map_with_path(
         lambda kp, a: layout.expert_spec(tuple(k.key for k in kp), a.shape), experts)
     n_local = stacked_experts(experts["w1"]) // ep
-    op = kernels.get(_local_routed_op(config, T, n_local, decode=S < DECODE_MAX_S))
+    op = kernels.get(_local_routed_op(config, T, n_local, S < DECODE_MAX_S, numerics.pair_kernel_limit))
     shared_op = kernels.get("shared_expert")
 
     def local(x, tokens, gate, shared, experts, layer):

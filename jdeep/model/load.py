@@ -24,7 +24,7 @@ from ..param_spec import abstract_params, padded_experts
 from ..plan import build_plan
 from ..sharding import Layout, make_mesh
 from .model import Model, as_jax_dtype
-from .weights import WEIGHT_FORMATS, decode_weights, resident_bytes
+from .weights import WEIGHT_FORMATS, decode_weights, resident_bytes, to_cpu_bf16
 
 __all__ = ["load"]
 
@@ -124,6 +124,9 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         host_embed = np.array(params.pop("embed"), copy=True)
     if pack_params is None:
         pack_params = plat.is_neuron and mode == "scan" and layout is None
+    if (mode == "scan" and layout is None and not pack_params and np.dtype(jdtype) == jax.numpy.bfloat16
+            and kernels.bf16_weights_as_bits()):
+        params = to_cpu_bf16(params)
     if pack_params:
         if mode != "scan":
             raise ValueError("pack_params applies to the scan compile mode (regions programs take few arguments)")

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..arenas import split_experts, unpacked
 from ..config import ModelConfig
+from ..kernels.linear import from_bits
 from ..layers.block import Streams, block
 from ..layers.chunk import make_chunk
 from ..layers.head import embed_streams, head_keys, head_logits, require_engram
@@ -84,7 +85,8 @@ def _run_segment(seg: Segment, seg_params: list, seg_state: list, sources: dict,
             # a tap reads the streams entering the layer after its Engram update, which block records first
             seen = outs if outs is not None else ([] if taps is not None and kind.engram else None)
             first_seen, entering = len(seen or ()), streams.X
-            streams, st[j], sources = block(unpacked(p_slots[j]), experts[j], st[j], sources, r, a.get("row"),
+            layer_params = jax.tree_util.tree_map(from_bits, unpacked(p_slots[j]))    # bf16 weights carried as bits
+            streams, st[j], sources = block(layer_params, experts[j], st[j], sources, r, a.get("row"),
                                             streams, a.get("engram"), chunk, config=config, numerics=numerics,
                                             kind=kind, freqs=freqs[j], record=seen, layout=layout, losses=losses)
             if taps is not None:

@@ -21,7 +21,8 @@ from ..kernels import codecs
 from ..kernels.linear import dequant, is_quantized_leaf
 from ..numerics import Numerics
 
-__all__ = ["WEIGHT_FORMATS", "decode_weights", "weight_leaves", "is_decoded_leaf", "weight_bytes", "resident_bytes"]
+__all__ = ["WEIGHT_FORMATS", "decode_weights", "weight_leaves", "is_decoded_leaf", "weight_bytes", "resident_bytes",
+           "to_cpu_bf16", "from_cpu_bf16"]
 
 WEIGHT_FORMATS = ("codes", "decoded")
 
@@ -66,6 +67,35 @@ def _decode_on_host(leaf: dict, numerics: Numerics, dtype: Any) -> np.ndarray:
         w = codecs.e2m1_decode(np, codecs.unpack_e2m1(np, leaf["packed"]))
         w = w * np.repeat(codecs.ue8m0_decode(np, leaf["scale"]), numerics.fp4_block, axis=-1)
     return w.astype(np.dtype(dtype))
+
+
+def to_cpu_bf16(params: dict) -> dict:
+    """How a bfloat16 model's weights are kept for the scan mode on CPU (kernels.registry.bf16_weights_as_bits): every
+    bf16 array of the layer stack ("segments": the scanned per-layer weights and the stacked experts, plain or
+    decoded) as its uint16 bit patterns, which the layers bitcast back after slicing; the output head in float32 (its
+    product runs in fp32 anyway, spec 6.3, and XLA:CPU's bf16 -> f32 convert fused into the [d, V] product is 30x
+    slower than the fp32 product, docs/performance.md). One leaf at a time."""
+    def bits(a: Any) -> Any:
+        if getattr(a, "dtype", None) != jax.numpy.bfloat16:
+            return a
+        return jax.device_put(np.asarray(a).view(np.uint16), a.sharding)
+    out = {**params, "segments": jax.tree_util.tree_map(bits, params["segments"])}
+    if "head" in out:
+        out["head"] = out["head"].astype(np.float32)
+    return out
+
+
+def from_cpu_bf16(params: Any, dtype: Any) -> Any:
+    """The inverse of to_cpu_bf16 (uint16 leaves back to bfloat16, the head to the model's `dtype`), for what stores
+    the weights."""
+    def back(a: Any) -> Any:
+        if getattr(a, "dtype", None) != np.uint16:
+            return a
+        return jax.device_put(np.asarray(a).view(jax.numpy.bfloat16), a.sharding)
+    out = jax.tree_util.tree_map(back, params)
+    if "head" in out:
+        out["head"] = out["head"].astype(dtype)
+    return out
 
 
 def weight_leaves(params: Any) -> list:

@@ -19,6 +19,7 @@ from jdeep import CheckpointError, ConfigError
 from jdeep.io.checkpoint import load_params
 from jdeep.io.convert import is_converted, save_converted
 from jdeep.io.safetensors import SafetensorsFile, write_safetensors
+from jdeep.model.weights import from_cpu_bf16
 from jdeep.plan import layer_kinds
 from jdeep.presets import TINY_CONFIG
 from jdeep.tools.random_weights import random_checkpoint
@@ -189,10 +190,13 @@ def test_float32_load_dtypes(model):
 
 
 def test_bfloat16_load_dtypes(single, model):
+    """The loader's dtypes, read through from_cpu_bf16: on CPU the scan mode keeps the layer stack's bf16 weights as
+    their uint16 bits and the head in fp32 (tests/model/test_cpu_bf16.py), which that maps back losslessly."""
     mb = jdeep.load(single, dtype="bfloat16")
+    params = from_cpu_bf16(mb.params, mb.dtype)
     n_f32 = n_bf16 = 0
     f32_params = dict(_leaves(model.params))
-    for path, leaf in _leaves(mb.params):
+    for path, leaf in _leaves(params):
         key = jax.tree_util.keystr(path)
         last = str(path[-1].key)
         if last == "tid2eid":
@@ -207,9 +211,9 @@ def test_bfloat16_load_dtypes(single, model):
                                           np.asarray(f32_params[path]).astype(ml_dtypes.bfloat16), err_msg=key)
             n_bf16 += 1
     assert n_f32 >= 10 and n_bf16 >= 20
-    assert mb.params["hc_head_scale"].dtype == np.float32
-    assert mb.params["segments"][1][1]["attn"]["attn_sink"].dtype == np.float32
-    assert mb.params["segments"][1][0]["ffn"]["w1"].dtype == jax.numpy.bfloat16
+    assert params["hc_head_scale"].dtype == np.float32
+    assert params["segments"][1][1]["attn"]["attn_sink"].dtype == np.float32
+    assert params["segments"][1][0]["ffn"]["w1"].dtype == jax.numpy.bfloat16
 
 
 def test_mtp_tensors_ignored(single, tmp_path, model):

@@ -147,9 +147,40 @@ def test_registered_with_a_reference(monkeypatch):
     assert kernels.get("moe_experts_grouped_nosort") is moe_experts_grouped_nosort
 
 
+def test_routed_op_choice_on_cpu():
+    """XLA:CPU's decode steps slice one expert per (token, expert) pair while T*k < 8 E (its small-row GEMMs are
+    slow), then the sort-free grouped op; prefill keeps the rule of every platform (gather only while T*k < E).
+    The limit rides in the Numerics of the platform the programs are built for, not the one that traces them."""
+    small = ModelConfig.from_dict(dict(TINY_CONFIG, n_routed_experts=6, num_experts_per_tok=2))
+    cpu, neuron = (Numerics.for_config(small, platform=p).pair_kernel_limit for p in ("cpu", "neuron"))
+    assert (cpu, neuron) == (8, 1) and kernels.pair_kernel_limit("gpu") == 1
+    assert [_routed_op(small, T, True, cpu) for T in (1, 3, 23, 24, 40)] == \
+        ["moe_experts_gather"] * 3 + ["moe_experts_grouped_nosort"] * 2
+    assert [_routed_op(small, T, False, cpu) for T in (2, 3, 8)] == ["moe_experts_gather"] + ["moe_experts_grouped"] * 2
+
+
+def test_gather_with_as_many_pairs_as_experts_pads_its_loop():
+    """At T*k == E the per-pair loop runs one padding pair (its trip is not the expert count, S5) that adds
+    nothing: equal to the grouped kernel's result."""
+    rng = np.random.default_rng(3)
+    T, k, E, d, I = 4, 2, 8, 16, 8
+    x = jnp.asarray(rng.standard_normal((T, d)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
+    w = jnp.asarray(rng.random((T, k)), jnp.float32)
+    w1, w3 = (jnp.asarray(rng.standard_normal((1, E, I, d)), jnp.float32) for _ in range(2))
+    w2 = jnp.asarray(rng.standard_normal((1, E, d, I)), jnp.float32)
+    got = moe_experts_gather(x, idx, w, w1, w2, w3, jnp.int32(0), 10.0)
+    want = moe_experts_grouped(x, idx, w, w1, w2, w3, jnp.int32(0), 10.0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    low = jax.jit(moe_experts_gather, static_argnums=(7,)).lower(x, idx, w, w1, w2, w3, jnp.int32(0), 10.0)
+    report = check_lowered(low, name="gather", n_experts=E, decode=True)
+    assert report.ok, report.format()
+
+
 def test_routed_op_choice():
-    """Decode (S == 1 per row) never sorts: gather while T*k < E, the sort-free grouped op from T*k == E on;
-    prefill keeps the sorted grouped op. The expert-parallel choice follows the same rule per shard."""
+    """On Neuron (and GPU; pair limit 1) decode (S == 1 per row) never sorts: gather while T*k < E, the sort-free
+    grouped op from T*k == E on; prefill keeps the sorted grouped op. The expert-parallel choice follows the same
+    rule per shard."""
     small = ModelConfig.from_dict(dict(TINY_CONFIG, n_routed_experts=6, num_experts_per_tok=2))
     assert [_routed_op(small, T, decode=True) for T in (1, 2, 3, 4, 8)] == \
         ["moe_experts_gather"] * 2 + ["moe_experts_grouped_nosort"] * 3

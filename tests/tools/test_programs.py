@@ -66,7 +66,7 @@ def test_export_regions_buckets_reload_and_run(tmp_path):
     model = jdeep.load(path, compile_mode="regions")
     out = tmp_path / "export"
     assert main(["export", "--model", str(path), "--out", str(out), "--mode", "regions", "--batch-sizes", "1,4",
-                 "--prefill-len", "16", "--max-len", "64", "--dtype", "float32"]) == 0
+                 "--prefill-len", "16", "--max-len", "64", "--dtype", "float32", "--platform", "cpu"]) == 0
     manifest, exported = load_exported(str(out))
     assert len(manifest["programs"]) == 16
     assert {(p["bucket"]["batch"], p["bucket"]["step"]) for p in manifest["programs"]} == \
@@ -95,7 +95,7 @@ def test_export_scan_reload_and_run(tmp_path):
     model = jdeep.load(path, pack_params=True)
     out = tmp_path / "export"
     assert main(["export", "--model", str(path), "--out", str(out), "--mode", "scan", "--batch-sizes", "2",
-                 "--prefill-len", "16", "--max-len", "64", "--dtype", "float32"]) == 0
+                 "--prefill-len", "16", "--max-len", "64", "--dtype", "float32", "--platform", "cpu"]) == 0
     manifest, exported = load_exported(str(out))
     assert [p["name"] for p in manifest["programs"]] == ["b2.prefill", "b2.decode"]
     entry = manifest["programs"][1]

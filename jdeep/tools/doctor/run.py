@@ -68,7 +68,7 @@ def _target(opts: DoctorOptions) -> Target:
     config = preset(opts.preset) if opts.preset else ModelConfig.from_file(opts.model)
     dtype = np.float32 if opts.dtype == "float32" else jax.numpy.bfloat16
     return Target.for_config(config, dtype, opts.mode, fp8_max=opts.fp8_max,
-                             packed_params=opts.mode == "scan")
+                             packed_params=opts.mode == "scan", platform="neuron")
 
 
 def _safe(name: str) -> str:

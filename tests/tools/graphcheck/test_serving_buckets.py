@@ -39,7 +39,8 @@ def _failures(name: str, mode: str, batch_sizes, prefill_lens, steps=("prefill",
     """Lower the preset's programs of `steps` (bfloat16, trn2 fp8, as check-graph does; with `pool`, as the Engine's
     windows of a pool of that many slots) and check each; (count, failures)."""
     config = preset(name)
-    target = Target.for_config(config, ml_dtypes.bfloat16, mode, fp8_max=240.0, packed_params=mode == "scan")
+    target = Target.for_config(config, ml_dtypes.bfloat16, mode, fp8_max=240.0, packed_params=mode == "scan",
+                               platform="neuron")
     programs = [p for p in model_programs(target, batch_sizes, prefill_lens, SERVING_PREFILL_LEN, cache=ProgramCache(),
                                           max_prefill_tokens=SERVING_PREFILL_TOKENS, pool=pool)
                 if p.bucket["step"] in steps]
@@ -134,7 +135,8 @@ def test_speculative_programs_pass_at_serving_batch_sizes(mode):
 
     name = "v4-flash"
     config = preset(name)
-    target = Target.for_config(config, ml_dtypes.bfloat16, mode, fp8_max=240.0, packed_params=mode == "scan")
+    target = Target.for_config(config, ml_dtypes.bfloat16, mode, fp8_max=240.0, packed_params=mode == "scan",
+                               platform="neuron")
     failures = []
     programs = speculative_programs(target, (64,), 3, (16,), 1024)
     names = {p.name for p in programs}
@@ -162,7 +164,8 @@ def test_dspark_programs_pass_at_serving_batch_size(name):
     from jdeep.tools.spec_programs import speculative_programs
 
     config = preset(name) if name == "v41-flash" else ModelConfig.from_file(golden_path(name) / "config.json")
-    target = Target.for_config(config, ml_dtypes.bfloat16, "scan", fp8_max=240.0, packed_params=True)
+    target = Target.for_config(config, ml_dtypes.bfloat16, "scan", fp8_max=240.0, packed_params=True,
+                               platform="neuron")
     B = 64 if name == "v41-flash" else 8      # the golden's: 8 x 4 tokens x top-k above its expert count too
     assert B * 4 * config.n_activated_experts > config.n_routed_experts
     programs = speculative_programs(target, (B,), 3, (16,), 1024)
@@ -189,7 +192,8 @@ def test_dspark_regions_programs_pass_at_serving_batch_size():
 
     name = "v41-dspark-tiny"
     config = ModelConfig.from_file(golden_path(name) / "config.json")
-    target = Target.for_config(config, ml_dtypes.bfloat16, "regions", fp8_max=240.0, packed_params=False)
+    target = Target.for_config(config, ml_dtypes.bfloat16, "regions", fp8_max=240.0, packed_params=False,
+                               platform="neuron")
     programs = speculative_programs(target, (8,), 3, (16,), 1024)
     names = {p.name for p in programs}
     assert {f"b8.dspark{part}.{v}" for part in (".draft", "3.finish", ".prefill16.tail") for v in ("greedy", "sampled")
