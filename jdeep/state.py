@@ -24,6 +24,13 @@ DeepSeek-V4.1 layers own only their window; the compressed caches live with the 
                      with packed_kv the window, ckv and ikeys rows are uint8 records (kv_record_v41.py)
 
 No sequence length is stored: the positions passed with each chunk say where every sequence is.
+
+Prefix snapshots (`snapshot_slot` / `restore_slot`): after a slot's first p tokens, its state is a function of
+those tokens alone. The compressors write an entry only once its m tokens are complete, so entries j >= p // m of
+`ckv` / `ikeys` still hold their reset values; the rings (window, cbuf_*, ibuf_*) hold the last tokens, a
+not-yet-complete block and, for overlapping compressors, the block before it. A snapshot keeps the rings whole
+and the pools' first n_tokens // m entries (n_tokens >= p): restored into a freshly reset slot, it is that slot's
+state after the same p tokens, at any p.
 """
 
 from __future__ import annotations
@@ -42,9 +49,10 @@ from .plan import LayerKind, LayerPlan
 
 __all__ = ["slot_state_shapes", "source_state_shapes", "source_index", "init_state", "empty_state", "empty_slot_state",
            "slot_window", "put_slot_window", "move_slot",
-           "state_bytes", "reset_slots", "zero_slots"]
+           "state_bytes", "reset_slots", "zero_slots", "SNAPSHOT_POOLS", "snapshot_slot", "restore_slot"]
 
 State = dict  # {"segments": list (segments) of list (slots) of dict[str, jax.Array], "sources": dict}
+SNAPSHOT_POOLS = ("ckv", "ikeys")      # the leaves with one entry per m tokens (prefix snapshots cut them)
 
 
 def slot_state_shapes(config: ModelConfig, kind: LayerKind, reps: int, batch: int, max_len: int,
@@ -181,6 +189,39 @@ def move_slot(state: State, src: jax.Array, dst: jax.Array) -> State:
     return jax.tree_util.tree_map(
         lambda a: jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, src, 1, axis=1), dst, axis=1),
         state)
+
+
+def _map_named(state: State, fn) -> State:
+    """fn(leaf name, leaf) over a state's leaves."""
+    return {"segments": [[{k: fn(k, v) for k, v in slot.items()} for slot in seg] for seg in state["segments"]],
+            "sources": {key: {k: fn(k, v) for k, v in d.items()} for key, d in state["sources"].items()}}
+
+
+def snapshot_slot(state: State, slot: jax.Array, n_tokens: int, max_len: int) -> State:
+    """Slot `slot`'s rows as a prefix snapshot of at most `n_tokens` positions (module docstring): every leaf [R, B,
+    ...] -> [R, 1, ...], the pools (SNAPSHOT_POOLS, [R, B, Tc+1, ...] with Tc = max_len // m) cut to their first
+    n_tokens // m entries. slot: int32 scalar (traced, clamped); n_tokens, max_len (the state's length): static."""
+    B = jax.tree_util.tree_leaves(state)[0].shape[1]
+    slot = jnp.clip(jnp.asarray(slot, jnp.int32), 0, B - 1)
+
+    def cut(name, a):
+        row = jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)
+        if name in SNAPSHOT_POOLS:
+            m = max_len // (a.shape[2] - 1)
+            row = row[:, :, :max(1, min(a.shape[2] - 1, n_tokens // m))]
+        return row
+
+    return _map_named(state, cut)
+
+
+def restore_slot(state: State, snap: State, slot: jax.Array) -> State:
+    """`state` with a snapshot (snapshot_slot) written over slot `slot`'s rows (int32 scalar, clamped): the rings
+    whole, the pools' first entries; pool entries past the snapshot's keep what the slot holds (a freshly reset slot:
+    their reset values). In place when the state is donated."""
+    B = jax.tree_util.tree_leaves(state)[0].shape[1]
+    slot = jnp.clip(jnp.asarray(slot, jnp.int32), 0, B - 1)
+    return jax.tree_util.tree_map(
+        lambda a, b: jax.lax.dynamic_update_slice(a, b, (0, slot) + (0,) * (a.ndim - 2)), state, snap)
 
 
 def state_bytes(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 
@@ -10,6 +11,7 @@ import jdeep
 from jdeep import SamplingParams
 from jdeep.cli import main
 from jdeep.presets import TINY_CONFIG, one_layer_config
+from jdeep.runtime.engine import Engine
 from jdeep.tools.random_weights import random_checkpoint
 
 
@@ -212,4 +214,7 @@ def test_serve_answers_with_the_api_key_and_stops_on_sigterm(tmp_path):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode in (0, -signal.SIGTERM), err
-    assert "compiled 3 programs" in err and "Shutting down" in err and "Traceback" not in err
+    warmed = re.search(r"jdeep serve: compiled (\d+) programs", err)
+    same = Engine(jdeep.load(tmp_path / "m"), max_num_seqs=1, max_len=32, prefill_chunk=16).warmup()
+    assert warmed and int(warmed.group(1)) == same        # the server warmed the engine's whole program set
+    assert "Shutting down" in err and "Traceback" not in err

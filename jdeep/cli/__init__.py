@@ -7,14 +7,15 @@ import argparse
 import os
 import sys
 
+from ..io.chat import FORMATS
 from ..presets import PRESET_NAMES
 from ..tools.bench import PREFILL_CHUNK
 from ..tools.programs import SERVING_BATCH_SIZES, SERVING_PREFILL_LEN, SERVING_PREFILL_TOKENS
 from .args import (BARE, RUNTIME, add_graph_args, add_load_args, add_process_args, add_sampling_args,
-                   add_speculative_arg, init_distributed,
-                   setup_compile_cache)
-from .commands import (cmd_bench, cmd_chat, cmd_check_graph, cmd_convert, cmd_demo, cmd_eval, cmd_export, cmd_generate,
-                       cmd_info, cmd_serve)
+                   add_speculative_arg, init_distributed, parse_bytes, setup_compile_cache)
+from .chat import cmd_chat
+from .commands import (cmd_bench, cmd_check_graph, cmd_convert, cmd_demo, cmd_eval, cmd_export, cmd_generate, cmd_info,
+                       cmd_serve)
 from .doctor import add_doctor_parser
 
 __all__ = ["main", "build_parser"]
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--model", required=True)
     ch.add_argument("--system", help="system prompt")
     ch.add_argument("--thinking", action="store_true", help="open each reply in thinking mode (<think>)")
+    ch.add_argument("--chat-format", choices=sorted(FORMATS), help="DeepSeek chat layout (default: from the config)")
     add_sampling_args(ch, max_new_tokens=512, temperature=0.7, top_p=0.95)
     add_speculative_arg(ch)
     add_load_args(ch, "dtype", *RUNTIME)
@@ -71,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="require 'Authorization: Bearer KEY' on /v1/* (default $JDEEP_API_KEY; none: open)")
     sv.add_argument("--served-model-name", help="the model id clients send (default: the folder's name)")
     sv.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint folder's")
+    sv.add_argument("--chat-format", choices=sorted(FORMATS),
+                    help="chat layout, reasoning and tool-call parser: v4 or v41 (default: the config's model_type)")
     sv.add_argument("--max-num-seqs", type=int, default=8, help="engine slots (requests decoded together)")
     sv.add_argument("--max-len", type=int, default=4096, help="longest prompt + completion, in tokens")
     sv.add_argument("--prefill-chunk", type=int, default=256, help="longest prefill chunk, in tokens (a power of two)")
@@ -79,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "prefill in what is left, oldest first (default: max-num-seqs + prefill-chunk; smaller "
                          "lowers the streams' inter-token latency while long prompts prefill, at their TTFT's cost)")
     sv.add_argument("--seed", type=int, default=0, help="base seed of requests sent without one")
+    sv.add_argument("--prefix-cache-bytes", type=parse_bytes, default=0,
+                    help="device memory for prefix caching: snapshots of the decode state at 128-token prefix "
+                         "boundaries that later prompts sharing the prefix start from (e.g. 2G; default 0: off)")
     add_speculative_arg(sv, "; every request drafts k tokens per iteration")
     sv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="compile every batch-size and prefill-length bucket before serving (default on: no compile "
@@ -124,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_arg(b, "; the bench then compares greedy decode tok/s with k = 1 .. num_speculative_tokens "
                            "against plain decoding on the same prompts, with the acceptance per draft position")
     b.add_argument("--seed", type=int, default=0)
-    add_load_args(b, "dtype", dtype={"default": None, "help": "default: float32 on CPU (XLA:CPU emulates bfloat16 "
-                                     "matmuls, several times slower), bfloat16 on accelerators"})
+    add_load_args(b, "dtype", dtype={"default": None, "help": "default: float32 on CPU (the spec's exact numerics; "
+                                     "bfloat16 runs there too, weights as bits: docs/performance.md), bfloat16 on "
+                                     "accelerators"})
     b.add_argument("--json", help="write the full result (schema jdeep.bench/1, see jdeep/tools/bench.py)")
     b.add_argument("--plot", help="write a PNG of the sweep (needs matplotlib)")
     b.add_argument("--compare", choices=["transformers"],

@@ -126,6 +126,8 @@ def add_graph_args(p: argparse.ArgumentParser) -> None:
                   host_embedding={"help": "token embedding gathered on the host"})
     p.add_argument("--no-pack-params", action="store_true", help="scan mode: one argument per parameter tensor "
                                                                   "(default: arenas, as jdeep runs on Neuron)")
+    p.add_argument("--platform", choices=["neuron", "cpu", "gpu"], default="neuron",
+                   help="the platform the programs are for: its kernel choices (default neuron)")
 
 
 def env_int(name: str) -> int | None:
@@ -135,6 +137,16 @@ def env_int(name: str) -> int | None:
 
 def np_dtype(name: str) -> Any:
     return np.float32 if name == "float32" else ml_dtypes.bfloat16
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: an integer with an optional K / M / G suffix (powers of 1024; "G", "GB" and "GiB" alike)."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(t[-1:], 1)
+    digits = t[:-1] if mult > 1 else t
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 1073741824 or 1G, got {text!r}")
+    return int(digits) * mult
 
 
 def parse_ints(text: str, flag: str) -> list[int]:

@@ -1,5 +1,5 @@
-"""The `jdeep` commands: demo, generate (one prompt or a prompts file through the engine), chat, serve, bench,
-info, convert, check-graph and export, each `cmd_<name>(args) -> exit code`."""
+"""The `jdeep` commands: demo, generate (one prompt or a prompts file through the engine), serve, bench, info,
+convert, check-graph and export, each `cmd_<name>(args) -> exit code` (chat.py: chat, doctor.py: doctor)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from .. import generate, load
 from ..config import ModelConfig
 from ..io.convert import save_converted
 from ..io.tokenizer import Tokenizer
+from ..model.weights import from_cpu_bf16
 from ..param_spec import weight_formats
 from ..presets import BENCH_DEFAULT_CONFIG, TINY_CONFIG, preset, tiny_v41_config
 from ..runtime.sampling import SamplingParams
@@ -167,35 +168,6 @@ def _generate_file(args: argparse.Namespace, model, tok: Tokenizer | None) -> in
     return 0
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    """Interactive chat on stdin/stdout: each reply streams as it is generated (whole UTF-8 characters)."""
-    tok = folder_tokenizer(args.model)
-    if tok is None:
-        raise SystemExit(f"jdeep chat: {args.model} has no tokenizer.json")
-    model = load(args.model, **load_kwargs(args, progress=True, mtp=args.speculative_config is not None))
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            print("> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line or line.strip() in ("/exit", "/quit"):
-            return 0
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        detok = tok.detokenizer()
-
-        def show(new: list[list[int]]) -> None:
-            print(detok.push(new[0]), end="", flush=True)
-
-        out = generate(model, [tok.chat(messages, thinking=args.thinking)], sampling=sampling_params(args),
-                       stream=show, stream_every=4, speculative=args.speculative_config)
-        print(detok.flush(), flush=True)
-        reply = out.tokens[0, :out.lengths[0]].tolist()
-        messages.append({"role": "assistant", "content": tok.decode(reply)})
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     """The OpenAI-compatible HTTP server (jdeep/serve/server.py) until SIGINT/SIGTERM."""
     if args.num_processes not in (None, 1):
@@ -216,7 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else model.tokenizer
     engine = make_engine(model, args.speculative_config, max_num_seqs=args.max_num_seqs, max_len=args.max_len,
                          prefill_chunk=args.prefill_chunk, seed=args.seed, tokenizer=tokenizer,
-                         max_num_batched_tokens=args.max_num_batched_tokens)
+                         max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache_bytes=args.prefix_cache_bytes)
     if args.warmup:
         t0 = time.perf_counter()
         n = engine.warmup()
@@ -229,7 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{', API key required' if args.api_key else ''}{'' if tokenizer else ', no tokenizer: token-id prompts only'})",
           file=sys.stderr, flush=True)
     settings = ServerSettings(name, args.api_key, args.max_body_bytes, created, max_waiting=args.max_waiting,
-                              request_timeout=args.request_timeout)
+                              request_timeout=args.request_timeout, chat_format=args.chat_format)
     serve(engine, settings, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
           log_level=args.log_level)
     return 0
@@ -392,7 +364,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise SystemExit("jdeep convert: models with Engram layers (DeepSeek-V4.1) cannot be converted yet; "
                          "their tables stay memory-mapped in the original safetensors — use the original folder")
     model = load(args.model, **load_kwargs(args))
-    save_converted(args.out, model.config, model.params, args.dtype)
+    save_converted(args.out, model.config, from_cpu_bf16(model.params, model.dtype), args.dtype)
     for name in ("tokenizer.json", "tokenizer_config.json"):   # text prompts keep working on the converted folder
         if os.path.isfile(os.path.join(args.model, name)):
             shutil.copy(os.path.join(args.model, name), os.path.join(args.out, name))
@@ -405,7 +377,7 @@ def _graph_target(args: argparse.Namespace) -> Target:
     config = preset(args.preset) if args.preset else ModelConfig.from_file(args.model)
     return Target.for_config(config, np_dtype(args.dtype), args.mode, args.host_embedding,
                              args.quantize_activations, args.fp8_max, args.packed_kv,
-                             packed_params=args.mode == "scan" and not args.no_pack_params)
+                             packed_params=args.mode == "scan" and not args.no_pack_params, platform=args.platform)
 
 
 def cmd_check_graph(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
-"""Text in and out: a checkpoint's tokenizer.json through the `tokenizers` library, DeepSeek's chat format,
-and incremental detokenisation that only ever emits complete UTF-8 text."""
+"""Text in and out: a checkpoint's tokenizer.json through the `tokenizers` library, chat prompts in DeepSeek's
+format (io/chat), and incremental detokenisation that only ever emits complete UTF-8 text."""
 
 from __future__ import annotations
 
@@ -8,46 +8,9 @@ from typing import Iterable, Sequence
 
 from tokenizers import Tokenizer as _Tok
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer", "chat_prompt"]
+from .chat import V4, ChatFormat, encode_chat
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK, END_THINK = "<think>", "</think>"
-
-
-def chat_prompt(messages: Sequence[dict], thinking: bool = False, add_generation_prompt: bool = True) -> str:
-    """DeepSeek's chat layout (as in its V3.2 encoder; V4 ships the same special tokens):
-
-        <bos>{system}<User>{user}<Assistant></think>{reply}<eos><User>{user}<Assistant></think>
-
-    Non-thinking turns open the reply with `</think>`; with `thinking` the last turn opens `<think>` instead.
-    messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]."""
-    out = [BOS]
-    for i, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(content, str):
-            raise ValueError(f"message {i}: content must be a string, got {type(content).__name__}")
-        if role == "system":
-            if i != 0:
-                raise ValueError(f"message {i}: a system message must come first")
-            out.append(content)
-        elif role == "user":
-            out += [USER, content, ASSISTANT]
-        elif role == "assistant":
-            if i == 0 or messages[i - 1].get("role") != "user":
-                raise ValueError(f"message {i}: an assistant message must follow a user message")
-            out += [END_THINK, content, EOS]
-        else:
-            raise ValueError(f"message {i}: role must be system, user or assistant, got {role!r}")
-    if not messages or messages[-1].get("role") != "user":
-        raise ValueError("the last message must be a user message")
-    if add_generation_prompt:
-        out.append(THINK if thinking else END_THINK)
-    else:
-        out.pop()   # leave the trailing <Assistant> out
-    return "".join(out)
+__all__ = ["Tokenizer", "IncrementalDetokenizer"]
 
 
 class Tokenizer:
@@ -73,9 +36,10 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def chat(self, messages: Sequence[dict], thinking: bool = False) -> list[int]:
-        """Token ids of a chat prompt ending where the assistant's reply begins."""
-        return self.encode(chat_prompt(messages, thinking))
+    def chat(self, messages: Sequence[dict], thinking: bool = False, fmt: ChatFormat = V4, **options) -> list[int]:
+        """Token ids of a chat prompt in DeepSeek's format `fmt` (io/chat: V4 or V41), ending where the assistant's
+        reply begins; options: encode_chat's reasoning_effort, tools, drop_thinking."""
+        return self.encode(encode_chat(fmt, messages, thinking=thinking, **options))
 
     def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special_tokens)

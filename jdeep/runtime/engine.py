@@ -15,11 +15,11 @@ When requests leave, the highest slots move down into free ones (`move_slot`, on
 requests do not keep a large window alive. (Models with Engram layers step the whole pool: their host-side n-gram
 histories are per pool row. On a device mesh windows start at slot 0, whose batch axis is sharded.)
 
-Bad requests (invalid sampling values, out-of-vocabulary ids, prompts that do not fit) finish at once
-with finish_reason "error" and a message; the engine keeps serving the rest. `check_request` runs the same
-validation (requests.py) without queueing and returns a validated Request that `add_request` takes as it is (a
-server answers 400 with the error, and validates nothing twice); `abort` ends a request and frees its slot at
-once; `release` drops a finished request's record (a long-running server keeps none).
+Bad requests (invalid sampling values, out-of-vocabulary ids, prompts that do not fit) finish at once with
+finish_reason "error" and a message; the engine keeps serving the rest. `check_request` runs the same validation
+(requests.py) without queueing and returns a Request that `add_request` takes as it is (a server answers 400 with
+the error, and validates nothing twice); `abort` ends a request and frees its slot at once; `release` drops a
+finished request's record.
 
 Failures stay with their request: the host work done for one request (its sampling row and PRNG key at admission,
 its stop-string matcher, detokenising and matching its tokens) runs per request, and an exception there finishes
@@ -29,8 +29,9 @@ device program) raises out of `step`; `reset` then leaves the engine ready for t
 
 With a tokenizer the engine owns the text: each request's tokens are detokenised incrementally and matched
 against its stop strings once, as they arrive; RequestOutput.text grows by whole characters (a possible stop
-string's beginning is held back) and ends before the stop string.
-"""
+string's beginning is held back) and ends before the stop string. Logprobs come from the sampler program itself
+(RequestOutput.logprobs; prompt logprobs from an all-positions prefill step of the chunks that hold such a prompt);
+penalised requests' token counts live on the device (slot_sampling.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,6 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import jax
@@ -48,52 +48,36 @@ import numpy as np
 from ..model.cache import PROGRAMS
 from ..model.model import Model
 from ..state import move_slot, reset_slots
+from .prefix_cache import PrefixStats
+from .prefix_snapshot import admit_cached, cut_at_targets, prefix_cache_for, snapshot_prefills
 from .requests import Request, RequestError, RequestOutput, check_request
 from .sampling import SEED_MAX, SamplingBatch, SamplingParams, batch_params
-from .scheduler import Iteration, Scheduler, Window, floor_pow2
-from .steps import MIN_BUCKET, batch_bucket, length_bucket, pack_chunk, run_step, sample_program
+from .scheduler import Iteration, Scheduler, Window
+from .slot_sampling import SlotPenalties, chunk_prompt_logprobs, logprob_entries, refuse_unsupported, sampler
+from .slots import IterationStats, Slot, as_ids, default_batched_tokens
+from .steps import batch_bucket, length_bucket, pack_chunk, run_step
 from .stops import StopMatcher
+from .warmup import warm_programs
 
 __all__ = ["Engine", "RequestOutput", "IterationStats", "default_batched_tokens"]
 
 log = logging.getLogger("jdeep.engine")
 
 
-@dataclass(frozen=True)
-class IterationStats:
-    """What one engine iteration scheduled: tokens decoded and prompt tokens prefilled, the token positions its
-    programs computed (padding included; bounded by the budget), and the queue times of the requests it admitted."""
-
-    decode_tokens: int
-    prefill_tokens: int
-    cost: int
-    queue_times: tuple[float, ...] = ()
-
-
-@dataclass
-class _Slot:
-    out: RequestOutput
-    request: Request
-    matcher: StopMatcher | None = None   # the text: incremental detokenisation and stop strings
-    prefilled: int = 0                   # prompt tokens already in the state
-    order: int = 0                       # arrival rank (the scheduler serves older prompts first)
-    arrived: float = 0.0                 # time.monotonic() at add_request
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
-
-
 class Engine:
     """engine = Engine(model, max_num_seqs=8); engine.add_request(ids, SamplingParams(...)); engine.run()."""
 
+    unsupported: tuple[tuple[str, object], ...] = ()    # SamplingParams fields this engine takes only "off"
+
     def __init__(self, model: Model, max_num_seqs: int = 8, max_len: int = 2048, prefill_chunk: int = 256,
                  seed: int = 0, ignore_eos: bool = False, tokenizer=None, max_num_batched_tokens: int | None = None,
-                 decode_width: int = 1):
+                 decode_width: int = 1, prefix_cache_bytes: int = 0):
         """prefill_chunk: the longest prefill chunk (rounded down to a power of two). max_num_batched_tokens: token
         positions one iteration may compute, decode rows first (default_batched_tokens: a full decode window plus
         one longest chunk). tokenizer: for text prompts, stop strings and RequestOutput.text (default:
-        model.tokenizer). decode_width: positions a decoding request computes per iteration (speculative engines)."""
+        model.tokenizer). decode_width: positions a decoding request computes per iteration (speculative engines).
+        prefix_cache_bytes: device bytes of decode-state snapshots kept for prompts that share a prefix (0: off;
+        prefix_cache.py, prefix_snapshot.py; not on a device mesh)."""
         if max_num_seqs < 1 or max_len < 2 or prefill_chunk < 1:
             raise ValueError(f"max_num_seqs, max_len and prefill_chunk must be positive, got {max_num_seqs}, "
                              f"{max_len}, {prefill_chunk}")
@@ -114,14 +98,16 @@ class Engine:
         self.eos = None if ignore_eos else model.config.eos_token_id
         self.state = model.init_state(self.n_slots, self._cache_len())
         self.history = model.new_history(self.n_slots)
-        self.slots: list[_Slot | None] = [None] * self.n_slots
-        self.waiting: deque[_Slot] = deque()
+        self.slots: list[Slot | None] = [None] * self.n_slots
+        self.waiting: deque[Slot] = deque()
         self.outputs: dict[str, RequestOutput] = {}
         self._ids = itertools.count()
         self._n_added = 0                             # requests ever added (default seeds)
         # each slot's sampling row on the host (written when a request takes the slot; idle rows are never read)
         self._rows = SamplingBatch(*(np.array(a) for a in batch_params([SamplingParams()] * self.n_slots)))
         self._last = np.zeros(self.n_slots, np.int32)
+        self._pen = SlotPenalties(self.n_slots, model.config.vocab_size, model.to_sampler)
+        self.prefix_cache = prefix_cache_for(model, prefix_cache_bytes, self._cache_len())
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.steps_per_bucket: dict[int, int] = {}    # step programs run at each window size (rows)
         self.on_iteration: Callable[[IterationStats], None] | None = None   # called after each iteration
@@ -132,8 +118,10 @@ class Engine:
         """Validate a request without queueing it (requests.check_request against this engine's max_len): the
         Request, or RequestError naming the problem. Reads only the model's config and tokenizer: safe to call from
         another thread."""
-        return check_request(prompt, sampling, vocab_size=self.model.config.vocab_size, max_len=self.max_len,
-                             tokenizer=self.tokenizer, eos=self.eos, limit_name="the engine's max_len")
+        request = check_request(prompt, sampling, vocab_size=self.model.config.vocab_size, max_len=self.max_len,
+                                tokenizer=self.tokenizer, eos=self.eos, limit_name="the engine's max_len")
+        refuse_unsupported(request.params, self.unsupported, type(self).__name__)
+        return request
 
     def add_request(self, prompt: Sequence[int] | str | Request, sampling: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -143,7 +131,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.outputs:
             raise ValueError(f"request id {rid!r} is already in use")
-        out = RequestOutput(rid, _as_ids(prompt.ids if isinstance(prompt, Request) else prompt))
+        out = RequestOutput(rid, as_ids(prompt.ids if isinstance(prompt, Request) else prompt))
         self.outputs[rid] = out
         self._n_added += 1
         try:
@@ -152,10 +140,14 @@ class Engine:
             out.finished, out.finish_reason, out.error = True, "error", str(e)
             return rid
         out.prompt = request.ids.tolist()
+        if request.params.logprobs is not None:
+            out.logprobs = []
+        if request.params.prompt_logprobs is not None:
+            out.prompt_logprobs = [None]
         if request.params.seed is None:
             request = dataclasses.replace(request, params=dataclasses.replace(
                 request.params, seed=(self.seed + self._n_added - 1) % (SEED_MAX + 1)))
-        slot = _Slot(out, request, order=self._n_added, arrived=time.monotonic())
+        slot = Slot(out, request, order=self._n_added, arrived=time.monotonic())
         try:
             if self.tokenizer is not None:
                 out.text = ""
@@ -166,11 +158,11 @@ class Engine:
         self.waiting.append(slot)
         return rid
 
-    def _matcher(self, slot: _Slot) -> StopMatcher:
+    def _matcher(self, slot: Slot) -> StopMatcher:
         """The request's incremental detokenizer and stop-string matcher (host work for one request)."""
-        return StopMatcher(self.tokenizer, slot.params.stop)
+        return StopMatcher(self.tokenizer, slot.params.stop, slot.params.skip_special_tokens)
 
-    def _fail(self, slot: _Slot, where: str, e: Exception) -> None:
+    def _fail(self, slot: Slot, where: str, e: Exception) -> None:
         """Finish one request with an error raised by its own host work; the caller frees its slot."""
         log.error("request %s failed while %s: %s: %s", slot.out.request_id, where, type(e).__name__, e)
         out = slot.out
@@ -196,11 +188,10 @@ class Engine:
         return True
 
     def reset(self) -> None:
-        """Abort every request and allocate a fresh decode state (after a failed step, whose donated state
-        may be gone)."""
+        """Abort every request and allocate a fresh decode state (after a failed step: donated state may be gone)."""
         for s in list(self.waiting) + [s for s in self.slots if s is not None]:
             self.abort(s.out.request_id)
-        self.state = self.model.init_state(self.n_slots, self._cache_len())
+        self.state, self._pen.state = self.model.init_state(self.n_slots, self._cache_len()), None
         self.history = self.model.new_history(self.n_slots)
 
     def release(self, request_id: str) -> RequestOutput | None:
@@ -214,12 +205,17 @@ class Engine:
         return sum(s is not None for s in self.slots)
 
     @property
+    def prefix_cache_stats(self) -> PrefixStats | None:
+        """A copy of the prefix cache's counters (None when the cache is off)."""
+        return None if self.prefix_cache is None else dataclasses.replace(self.prefix_cache.stats)
+
+    @property
     def n_waiting(self) -> int:
         return len(self.waiting)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(s is not None for s in self.slots)
+        return bool(self.waiting) or self.n_running > 0
 
     # ------------------------------------------------------------------ stepping
     def _admit(self) -> tuple[list[RequestOutput], list[float]]:
@@ -242,6 +238,8 @@ class Engine:
             waited.append(slot.out.queue_time)
             for dst, src in zip(self._rows, row):
                 dst[i] = src[0]
+            if slot.params.penalized:
+                self._pen.admit(i, slot.request.ids)
             taken.append(i)
         if taken:
             mask = np.zeros(self.n_slots, bool)
@@ -249,6 +247,7 @@ class Engine:
             self._reset_slots(mask)
             if self.history is not None:
                 self.history.reset(taken)
+            admit_cached(self, taken)          # (prefix_snapshot.py's hooks do nothing with the cache off)
         return failed, waited
 
     def _compact(self) -> None:
@@ -265,6 +264,8 @@ class Engine:
             self.slots[dst], self.slots[src] = self.slots[src], None
             for a in self._rows:
                 a[dst] = a[src]
+            if self.slots[dst].params.penalized:
+                self._pen.move(src, dst)
             self._last[dst] = self._last[src]
             self.totals["slot_moves"] += 1
 
@@ -285,43 +286,61 @@ class Engine:
         """Copy slot src's device state over slot dst (int32 scalars placed on the device; the state donated)."""
         self.state = PROGRAMS.jit(move_slot, donate_argnums=(0,))(self.state, src, dst)
 
-    def _sampling_row(self, slot: _Slot) -> SamplingBatch:
+    def _sampling_row(self, slot: Slot) -> SamplingBatch:
         """One request's sampling values and PRNG key as a 1-row host batch (host work for one request)."""
-        return self._host_batch([slot.params])
+        return self._host_batch([slot.params], [slot.request.stop_ids])
 
-    def _host_batch(self, params: list[SamplingParams]) -> SamplingBatch:
+    def _host_batch(self, params: list[SamplingParams], stop_ids=None) -> SamplingBatch:
         """Sampling values on the host: a bucket's rows are a numpy slice, not a device program."""
-        return SamplingBatch(*(np.asarray(a) for a in batch_params(params, len(params))))
+        return SamplingBatch(*(np.asarray(a) for a in batch_params(params, len(params), stop_ids=stop_ids)))
 
-    def _run(self, toks: np.ndarray, pos: np.ndarray, window: Window) -> jax.Array:
-        """One step program over `window` (toks, pos: int32 [window.rows, S]); returns logits [window.rows, V]."""
+    def _run(self, toks: np.ndarray, pos: np.ndarray, window: Window, all_logits: bool = False) -> jax.Array:
+        """One step program over `window` (toks, pos: int32 [window.rows, S]); returns logits [window.rows, V]
+        ([window.rows, S, V] with all_logits)."""
         self.steps_per_bucket[window.rows] = self.steps_per_bucket.get(window.rows, 0) + 1
         if window.rows == self.n_slots:
-            logits, self.state = run_step(self.model, self.state, toks, pos, self.history)
+            logits, self.state = run_step(self.model, self.state, toks, pos, self.history, all_logits=all_logits)
         else:
             logits, self.state = run_step(self.model, self.state, toks, pos, self.history, rows=window.rows,
-                                          start=window.start)
+                                          start=window.start, all_logits=all_logits)
         return logits
 
-    def _window_rows(self, window: Window) -> SamplingBatch:     # the window's sampling rows (host arrays)
-        return SamplingBatch(*(a[window.start:window.start + window.rows] for a in self._rows))
+    def _window_rows(self, w: Window) -> SamplingBatch:     # the window's sampling rows (host arrays)
+        return SamplingBatch(*(a[w.start:w.start + w.rows] for a in self._rows))
 
     def _emit(self, logits: jax.Array, window: Window, rows: list[int]) -> list[RequestOutput]:
-        """Sample the next token of each slot in `rows` from the window's logits [window.rows, V]; push it."""
+        """Sample the next token of each slot in `rows` from the window's logits [window.rows, V]; push it (with
+        its logprobs for requests that asked; penalised requests' counts advance on the device)."""
         lo, hi = window.start, window.start + window.rows
         counts = np.array([len(s.out.tokens) if s is not None else 0 for s in self.slots[lo:hi]], np.int32)
-        nxt = self.model.fetch(sample_program()(*self.model.to_sampler((logits, self._window_rows(window), counts))))
-        return self._deliver({i: [int(nxt[i - lo])] for i in rows})
+        want = [i for i in rows if self.slots[i].params.logprobs is not None]
+        penalised = [i for i in rows if self.slots[i].params.penalized]
+        pen = self._pen.window(lo, window.rows) if penalised else None
+        out = sampler(bool(want))(*self.model.to_sampler((logits, self._window_rows(window), counts)), pen)
+        tokens = out[0] if want else out
+        if penalised:
+            live = np.zeros(window.rows, bool)
+            live[[i - lo for i in penalised]] = True
+            self._pen.count(lo, tokens, live)
+        nxt = self.model.fetch(tokens)
+        entries = {}
+        if want:
+            lp, ids, vals = (self.model.fetch(a) for a in out[1:])
+            entries = {i: [logprob_entries(nxt[i - lo], lp[i - lo], ids[i - lo], vals[i - lo],
+                                           self.slots[i].params.logprobs)] for i in want}
+        return self._deliver({i: [int(nxt[i - lo])] for i in rows}, entries)
 
-    def _deliver(self, new: dict[int, Sequence[int]]) -> list[RequestOutput]:
-        """Push each slot's new tokens (slot -> tokens, in order) until its request finishes; returns those that
-        finished (their slots freed)."""
+    def _deliver(self, new: dict[int, Sequence[int]], logprobs: dict[int, list] | None = None) -> list[RequestOutput]:
+        """Push each slot's new tokens (slot -> tokens, in order; logprobs: slot -> one entry per token, for
+        requests that asked) until its request finishes; returns those that finished (their slots freed)."""
         done = []
         for i, tokens in new.items():
             s = self.slots[i]
             finished = False
-            for t in tokens:
+            for k, t in enumerate(tokens):
                 self._last[i] = t
+                if logprobs and i in logprobs and s.out.logprobs is not None:
+                    s.out.logprobs.append(logprobs[i][k])
                 try:
                     finished = self._push_token(s, int(t))
                 except Exception as e:      # this request's own host work failed: it ends alone
@@ -334,7 +353,7 @@ class Engine:
                 done.append(s.out)
         return done
 
-    def _push_token(self, s: _Slot, t: int) -> bool:
+    def _push_token(self, s: Slot, t: int) -> bool:
         """Append token t to a request's output (text and stop strings through its matcher); returns whether it
         finished (host work for one request)."""
         s.out.tokens.append(t)
@@ -367,6 +386,7 @@ class Engine:
     def schedule(self) -> Iteration:
         """The next iteration's plan for the slots as they are (scheduler.Scheduler.schedule)."""
         remaining = [None if s is None else len(s.out.prompt) - s.prefilled for s in self.slots]
+        remaining = cut_at_targets(self, remaining)     # chunks end at the prefix cache's snapshot points
         return self.scheduler.schedule(remaining, [s.order if s is not None else 0 for s in self.slots])
 
     def _decode(self, it: Iteration) -> list[RequestOutput]:
@@ -384,14 +404,25 @@ class Engine:
     def _prefill(self, it: Iteration) -> list[RequestOutput]:
         if not it.prefill:
             return []
+        w, scored = it.prefill_window, [i for i in it.prefill if self.slots[i].params.prompt_logprobs is not None]
+        first = {i: self.slots[i].prefilled for i in scored}
         toks, pos, ended = self._take_chunk(it)
-        return self._emit(self._run(toks, pos, it.prefill_window), it.prefill_window, ended)
+        logits = self._run(toks, pos, w, all_logits=bool(scored))        # [rows, S, V] for prompt logprobs
+        snapshot_prefills(self, it.prefill)
+        if not scored:
+            return self._emit(logits, w, ended)
+        ask = {i - w.start: (self.slots[i].request.ids, first[i], self.slots[i].params.prompt_logprobs) for i in scored}
+        last, entries = chunk_prompt_logprobs(self.model, logits, pos, ask)
+        for r, e in entries.items():
+            self.slots[w.start + r].out.prompt_logprobs += e
+        return self._emit(last, w, ended)
 
     def _take_chunk(self, it: Iteration) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """The iteration's prefill chunk over its window (tokens, positions int32 [rows, S]), counted as prefilled;
         and the slots whose prompt ends in it (sorted)."""
         w = it.prefill_window
-        prompts = [self.slots[i].request.ids if i in it.prefill else None for i in range(w.start, w.start + w.rows)]
+        prompts = [self.slots[i].request.ids[:self.slots[i].prefilled + it.prefill[i]] if i in it.prefill else None
+                   for i in range(w.start, w.start + w.rows)]
         done = [self.slots[i].prefilled if i in it.prefill else 0 for i in range(w.start, w.start + w.rows)]
         toks, pos, taken = pack_chunk(prompts, done, w.rows, it.chunk)
         assert toks.shape[1] == it.chunk and all(taken[i - w.start] == n for i, n in it.prefill.items())
@@ -399,28 +430,10 @@ class Engine:
             self.slots[i].prefilled += n
         return toks, pos, sorted(i for i in it.prefill if self.slots[i].prefilled == len(self.slots[i].out.prompt))
 
-    def warmup(self) -> int:
-        """Compile every program serving can reach before the first request: the decode step of each window size,
-        each (window size, chunk bucket) prefill step the scheduler can choose, the sampler per window size and the
-        slot move. Rows carry position -1, so the state and the requests in it are untouched. Returns the number
-        of programs run."""
-        counts = dict(self.steps_per_bucket)
-        self._reset_slots(np.zeros(self.n_slots, bool))
-        steps = [(n, 1) for n in self.scheduler.decode_programs()] + self.scheduler.prefill_programs()
-        logits = {}
-        for n, S in steps:
-            logits[n] = self._run(np.zeros((n, S), np.int32), np.full((n, S), -1, np.int32), Window(0, n))
-        for n in self.scheduler.decode_programs():      # on a step's own logits (placed as in serving)
-            sb = self._host_batch([SamplingParams()] * n)
-            sample_program()(*self.model.to_sampler((logits[n], sb, np.zeros(n, np.int32))))
-        n_moves = 0
-        if self.scheduler.window_mode != "pool" and self.n_slots > 1:     # (one slot never moves)
-            zero = self.model.put(np.int32(0))
-            self._move_slot(zero, zero)
-            n_moves = 1
-        jax.block_until_ready(self.state)
-        self.steps_per_bucket = counts
-        return len(steps) + len(self.scheduler.decode_programs()) + n_moves
+    def warmup(self, prompt_logprobs: bool = True) -> int:
+        """Compile every program serving can reach before the first request (warmup.py); returns how many ran.
+        prompt_logprobs=False leaves out the all-positions prefill steps that only prompt logprobs need."""
+        return warm_programs(self, prompt_logprobs)
 
     def run(self, on_finish: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:
         """Step until every queued request has finished; returns all outputs by request id."""
@@ -432,18 +445,3 @@ class Engine:
                 if on_finish is not None:
                     on_finish(out)
         return self.outputs
-
-
-def default_batched_tokens(n_slots: int, prefill_chunk: int) -> int:
-    """The default token budget of one iteration: a full decode window plus one longest prefill chunk, so a long
-    prompt prefills at full chunk length while every slot decodes (the streams' inter-token latency is then about
-    one decode step plus one chunk; a smaller --max-num-batched-tokens trades the prompt's TTFT for it)."""
-    return n_slots + max(MIN_BUCKET, floor_pow2(prefill_chunk))
-
-
-def _as_ids(prompt) -> list[int]:
-    """The prompt as a list of ints for the output record ([] if it is not one; validation reports why)."""
-    try:
-        return [int(t) for t in prompt] if not isinstance(prompt, (str, bytes)) else []
-    except (TypeError, ValueError):
-        return []

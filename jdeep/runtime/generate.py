@@ -17,8 +17,10 @@ from ..speculative.config import parse_speculative
 from ..speculative.dspark_decode import dspark_generate
 from ..speculative.mtp_decode import mtp_generate
 from .requests import check_request, prompt_ids
-from .sampling import SamplingParams, batch_params
-from .steps import batch_bucket, decode_block, first_done, length_bucket, pack_chunk, run_step, sample_program
+from .sampling import PenaltyState, SamplingParams, batch_params
+from .slot_sampling import SPECULATIVE_UNSUPPORTED, chunk_prompt_logprobs, logprob_entries, refuse_unsupported
+from .steps import (batch_bucket, count_tokens, decode_block, first_done, length_bucket, pack_chunk, run_step,
+                    sample_program)
 from .stops import StopMatcher
 
 __all__ = ["GenerateOutput", "generate", "forward", "prefill"]
@@ -30,23 +32,33 @@ class GenerateOutput:
     logits: np.ndarray | None        # float32 [B, max_new_tokens, vocab]; row 0 = last prompt position; NaN after the end
     lengths: np.ndarray | None = None  # int [B]: tokens generated per request
     texts: list[str] | None = None   # the generated text per request (cut before a stop string), given a tokenizer
+    logprobs: list | None = None     # per request asking for them: per token (id, logprob, [(id, logprob)] top)
+    prompt_logprobs: list | None = None   # per request asking for them: None for the first prompt token, then entries
 
 
 def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: int = 512,
-            history=None) -> tuple[jax.Array, dict]:
+            history=None, scored: dict[int, int] | None = None) -> tuple[jax.Array, dict]:
     """Run every prompt (row b of the batch; extra rows stay empty) through the model in chunks.
-    `history`: the batch's Engram histories (models with Engram; advanced in place).
+    `history`: the batch's Engram histories (models with Engram; advanced in place). scored: row -> top N for
+    the rows whose prompt logprobs are wanted (the chunks then run the all-positions step).
 
-    Returns (logits fp32 [B, V] at each prompt's last token, state)."""
+    Returns (logits fp32 [B, V] at each prompt's last token, state), and with `scored` a third value: row -> its
+    prompt logprob entries (None for the first prompt token)."""
     B = jax.tree_util.tree_leaves(state)[0].shape[1]
     lens = np.array([len(p) for p in prompts] + [0] * (B - len(prompts)))
     last = None
+    entries = {b: [None] for b in scored or {}}
     for start in range(0, int(lens.max()), chunk_size):
         toks, pos, _ = pack_chunk(prompts, [start] * len(prompts), B, chunk_size)
-        logits, state = run_step(model, state, toks, pos, history)
+        logits, state = run_step(model, state, toks, pos, history, all_logits=bool(scored))
+        if scored:
+            logits, chunk_entries = chunk_prompt_logprobs(
+                model, logits, pos, {b: (prompts[b], start, n) for b, n in scored.items() if lens[b] > start})
+            for b, e in chunk_entries.items():
+                entries[b] += e
         ends_here = model.put((lens > start) & (lens <= start + chunk_size))
         last = logits if last is None else jnp.where(ends_here[:, None], logits, last)
-    return last, state
+    return (last, state, entries) if scored is not None else (last, state)
 
 
 def _sampling_for(n: int, sampling, max_new_tokens: int, temperature: float, seed: int
@@ -71,8 +83,11 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     """Generate after each prompt of a ragged batch of token-id lists or strings.
 
     sampling: one SamplingParams for every prompt or one per prompt (temperature, top-k, top-p, min-p,
-    seed, max_new_tokens, stop_token_ids, stop strings); without it, `max_new_tokens`, `temperature` and
-    `seed` apply (prompt i seeded seed + i). A request ends at its max_new_tokens, at one of its stop tokens
+    seed, max_new_tokens, stop_token_ids, stop strings, logit_bias, presence / frequency / repetition penalties,
+    min_tokens, logprobs, prompt_logprobs: sampling.py); without it, `max_new_tokens`, `temperature` and
+    `seed` apply (prompt i seeded seed + i). Penalised requests' token counts are carried in the on-device decode
+    loop; logprobs come from the sampler program (GenerateOutput.logprobs), prompt logprobs from all-positions
+    prefill steps (GenerateOutput.prompt_logprobs), both None for requests that did not ask. A request ends at its max_new_tokens, at one of its stop tokens
     or at the model's EOS (kept in the output; `ignore_eos` disables the EOS stop), or once its text
     contains one of its stop strings (checked on the host between blocks; the tokens after the one that
     completed it are dropped, and `texts` ends before it).
@@ -87,7 +102,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     checkpoint's drafter (V4's MTP block, V4.1's DSpark stages; jdeep.load(path, mtp=True)) and verifies them in one
     step (jdeep/speculative): greedy requests get the tokens of plain decoding, sampled ones the same distribution;
     blocks of up to `stream_every` iterations run on the device between host reads (per iteration for Engram
-    models); no return_logits.
+    models); no return_logits, and no penalties, logit_bias, min_tokens or logprobs (a RequestError naming the field).
     """
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
@@ -105,6 +120,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     prompts = [r.ids for r in requests]
     params = [r.params for r in requests]
     if speculative is not None:
+        for p in params:
+            refuse_unsupported(p, SPECULATIVE_UNSUPPORTED, "speculative decoding")
         return _speculative(model, requests, speculative, prefill_chunk, tokenizer, return_logits, stream, stream_every,
                             seed)
     n_new = max(p.max_new_tokens for p in params)
@@ -114,23 +131,28 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     max_len = length_bucket(longest, 256)
     state = model.init_state(Bb, max_len)
     history = model.new_history(Bb)
-    first, state = prefill(model, state, prompts, prefill_chunk, history)
+    scored = {b: p.prompt_logprobs for b, p in enumerate(params) if p.prompt_logprobs is not None}
+    first, state, prompt_lps = prefill(model, state, prompts, prefill_chunk, history, scored)
 
     width = max(1, max(len(r.stop_ids) for r in requests))
     stops = np.full((Bb, width), -1, np.int32)
     for b, r in enumerate(requests):
         stops[b, :len(r.stop_ids)] = r.stop_ids
-    sb = batch_params(params, Bb, default_seed=seed)
+    sb = batch_params(params, Bb, default_seed=seed, stop_ids=[r.stop_ids for r in requests])
     max_new = np.asarray([p.max_new_tokens for p in params] + [1] * (Bb - B), np.int32)
     lens = np.array([len(p) for p in prompts] + [0] * (Bb - B), np.int32)
 
     first, sb, stops, max_new, lens, zeros, ones = model.to_sampler(
         (first, sb, stops, max_new, lens, np.zeros((Bb,), np.int32), np.ones((Bb,), np.int32)))
-    tok = sample_program()(first, sb, zeros)
+    pen = _penalties(model, prompts, params, Bb)
+    want_lp = any(p.logprobs is not None for p in params)
+    out0 = sample_program(want_lp)(first, sb, zeros, pen)
+    tok = out0[0] if want_lp else out0
     done = first_done(tok, stops, max_new, lens)
-    carry = (tok, ones, done)
+    carry = (tok, ones, done, count_tokens(pen, tok))
     fetch = model.fetch
     tokens, logits = [fetch(tok)[:, None]], [fetch(first)[:, None]] if return_logits else None
+    lps = [tuple(fetch(a)[:, None] for a in out0[1:])] if want_lp else None
     matchers = {b: StopMatcher(tokenizer, p.stop) for b, p in enumerate(params) if p.stop}
     kept = np.full(B, n_new)          # tokens kept per request (a stop string ends one early)
     sent = np.zeros(B, int)           # tokens already streamed per request
@@ -148,7 +170,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
         if stopped:                                  # end those rows on the device too
             done = np.array(fetch(carry[2]))
             done[stopped] = True
-            carry = (carry[0], carry[1], model.to_sampler(done) if model.layout is not None else jnp.asarray(done))
+            carry = (carry[0], carry[1], model.to_sampler(done) if model.layout is not None else jnp.asarray(done),
+                     carry[3])
         if stream is not None:
             chunks = []
             for b in range(B):
@@ -164,12 +187,14 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     while produced < n_new and not bool(np.all(fetch(carry[2]))):
         engram = None
         if model.engram is not None:
-            t_last, count, dn = (fetch(c) for c in carry)
+            t_last, count, dn = (fetch(c) for c in carry[:3])
             pos = np.where(dn, -1, fetch(lens) + count - 1).astype(np.int32)[:, None]
             engram = model.engram_inputs(history, np.maximum(t_last, 0)[:, None], pos)
-        state, carry, toks, lg = decode_block(model, state, engram, carry, lens, sb, stops, max_new, n_steps=block,
-                                              keep_logits=return_logits)
+        state, carry, toks, lg, lp = decode_block(model, state, engram, carry, lens, sb, stops, max_new, n_steps=block,
+                                                  keep_logits=return_logits, want_logprobs=want_lp)
         toks = fetch(toks).T                                             # [B, block]
+        if want_lp:
+            lps.append(tuple(np.swapaxes(fetch(a), 0, 1) for a in lp))
         tokens.append(toks)
         if return_logits:
             logits.append(fetch(lg).transpose(1, 0, 2))
@@ -193,7 +218,29 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     if tokenizer is not None:
         texts = [matchers[b].text if b in matchers and matchers[b].stopped else tokenizer.decode(out[b, :lengths[b]])
                  for b in range(B)]
-    return GenerateOutput(out, out_logits, lengths, texts)
+    return GenerateOutput(out, out_logits, lengths, texts, _token_logprobs(out, lengths, params, lps),
+                          [prompt_lps.get(b) for b in range(B)] if scored else None)
+
+
+def _penalties(model: Model, prompts: list[np.ndarray], params: list[SamplingParams], Bb: int) -> PenaltyState | None:
+    """The batch's token counts (none yet) and prompt-token masks, when some request uses a penalty."""
+    if not any(p.penalized for p in params):
+        return None
+    V = model.config.vocab_size
+    seen = np.zeros((Bb, V), bool)
+    for b, p in enumerate(prompts):
+        seen[b, p] = True
+    return model.to_sampler(PenaltyState(np.zeros((Bb, V), np.int32), seen))
+
+
+def _token_logprobs(out: np.ndarray, lengths: np.ndarray, params: list[SamplingParams], lps) -> list | None:
+    """Each request's logprob entries for its kept tokens (None for requests that did not ask)."""
+    if lps is None:
+        return None
+    lp, ids, vals = (np.concatenate(a, axis=1) for a in zip(*lps))      # [Bb, steps], [Bb, steps, W] ...
+    return [None if p.logprobs is None else
+            [logprob_entries(out[b, j], lp[b, j], ids[b, j], vals[b, j], p.logprobs) for j in range(lengths[b])]
+            for b, p in enumerate(params)]
 
 
 def _speculative(model: Model, requests: list, speculative: dict, prefill_chunk: int, tokenizer, return_logits: bool,

@@ -47,6 +47,8 @@ class RequestOutput:
     error: str | None = None
     text: str | None = None              # the generated text so far (cut before a stop string), given a tokenizer
     queue_time: float | None = None      # seconds from add_request until it took a slot
+    logprobs: list | None = None         # per token (id, logprob, [(id, logprob)] top), when the request asked
+    prompt_logprobs: list | None = None  # per prompt token: None for the first, then as logprobs
 
 
 def prompt_ids(prompt: Sequence[int] | str, vocab_size: int, tokenizer=None, index: int = 0) -> np.ndarray:

@@ -1,7 +1,16 @@
 """Per-request sampling on the device, vectorised over the batch (each row with its own values).
 
-Order, as in transformers' logits warpers: temperature -> top-k -> top-p -> min-p, then a Gumbel-max draw
-from the surviving tokens. Rows with temperature 0 are greedy (lowest token id on ties). No sort: top-k
+Order: logit_bias, then the penalties (repetition, then presence / frequency; vLLM applies bias before them too),
+then min_tokens (the request's stop ids and EOS at -inf until it has min_tokens tokens), then, as in
+transformers' logits warpers, temperature -> top-k -> top-p -> min-p, and a Gumbel-max draw from the surviving
+tokens (greedy rows take the argmax of the biased, penalised logits). Penalties (OpenAI's and CTRL's definitions):
+a token generated c times so far loses presence * (c > 0) + frequency * c; a token seen in the prompt or the output
+has its logit l divided by repetition if l > 0, else multiplied by it. They need the request's token counts: a
+dense [B, V] count of generated tokens and a [B, V] mask of the prompt's tokens, passed only when some row uses a
+penalty (`PenaltyState`), so plain requests run the programs they always ran. Logprobs are the log-softmax of the
+model's raw logits (before bias, penalties, temperature and filtering: vLLM's default `raw_logprobs`), from the
+same logits array the token is drawn from: the drawn token's and the TOP_LOGPROBS_WIDTH most likely (lowest id
+first among ties). Rows with temperature 0 are greedy (lowest token id on ties). No sort: top-k
 takes its threshold from `lax.top_k`, top-p finds its probability threshold by bisection (a fixed number
 of masked sums over the vocabulary), min-p is a threshold on p / p_max. Noise comes from each request's
 own key folded with its step index, so a request samples the same tokens whatever batch it shares.
@@ -17,8 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingParams", "SamplingBatch", "sample", "batch_params", "TOP_K_MAX", "TOP_P_ITERS", "INT32_MAX",
-           "SEED_MAX", "FLOAT32_MAX", "MAX_STOP_TOKEN_IDS", "MAX_STOP_STRINGS", "MAX_STOP_CHARS"]
+__all__ = ["SamplingParams", "SamplingBatch", "PenaltyState", "sample", "sample_logprobs", "batch_params",
+           "TOP_K_MAX", "TOP_P_ITERS", "INT32_MAX", "SEED_MAX", "FLOAT32_MAX", "MAX_STOP_TOKEN_IDS", "MAX_STOP_STRINGS",
+           "MAX_STOP_CHARS", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "TOP_LOGPROBS_WIDTH", "MAX_PENALTY",
+           "MIN_STOP_WIDTH"]
 
 TOP_K_MAX = 1024     # largest top_k honoured exactly (a static top_k width); larger values mean "off"
 TOP_P_ITERS = 32     # bisection steps of the top-p threshold (resolution p_max * 2^-32)
@@ -29,6 +40,11 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_STOP_TOKEN_IDS = 256                     # stop_token_ids per request
 MAX_STOP_STRINGS = 32                        # stop strings per request ...
 MAX_STOP_CHARS = 1024                        # ... each at most this long
+MAX_LOGIT_BIAS = 300                         # logit_bias entries per request (OpenAI's limit); bias in [-100, 100]
+MAX_TOP_LOGPROBS = 20                        # top alternatives per token (OpenAI's top_logprobs limit)
+TOP_LOGPROBS_WIDTH = MAX_TOP_LOGPROBS        # the static width the sampler returns them in
+MAX_PENALTY = 2.0                            # presence / frequency penalties in [-2, 2] (OpenAI's range)
+MIN_STOP_WIDTH = MAX_STOP_TOKEN_IDS + 1     # the ids min_tokens holds back: stop_token_ids and EOS
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,19 @@ class SamplingParams:
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs
+    min_tokens: int = 0
+    logprobs: int | None = None          # None: off; N: the drawn token's logprob and the N most likely tokens'
+    prompt_logprobs: int | None = None   # the same for every prompt token after the first
+    skip_special_tokens: bool = True     # special tokens left out of the request's text
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the request needs its token counts (a presence, frequency or repetition penalty)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self, vocab_size: int) -> "SamplingParams":
         """Raise ValueError naming the first bad field; returns self. Bounds (the constants above): floats finite
@@ -89,7 +118,35 @@ class SamplingParams:
                 or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)):
             raise ValueError(f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
                              f"{MAX_STOP_CHARS} characters, got {_show(stop)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if abs(num(name)) > MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        if not 0 < num("repetition_penalty") <= 100:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        self._validate_bias(vocab_size)
+        integer("min_tokens", 0, INT32_MAX)
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                integer(name, 0, MAX_TOP_LOGPROBS)
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a boolean, got {_show(self.skip_special_tokens)}")
         return self
+
+    def _validate_bias(self, vocab_size: int) -> None:
+        bias = self.logit_bias
+        if isinstance(bias, (str, bytes)) or not isinstance(bias, (tuple, list)) or len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must be at most {MAX_LOGIT_BIAS} (token id, bias) pairs, got {_show(bias)}")
+        for pair in bias:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {_show(pair)}")
+            t, b = pair
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
+                raise ValueError(f"logit_bias: {_show(t)} is not a token id in [0, {vocab_size})")
+            if isinstance(b, bool) or not isinstance(b, (int, float, np.floating, np.integer)) or not (
+                    math.isfinite(float(b)) and -100 <= float(b) <= 100):
+                raise ValueError(f"logit_bias: the bias of token {t} must be a number in [-100, 100], got {_show(b)}")
 
 
 def _show(v) -> str:
@@ -105,27 +162,61 @@ class SamplingBatch(NamedTuple):
     """Device arrays of one batch's sampling values (row b = request b).
 
     temperature f32 [B]; top_k i32 [B] (0 = off); top_p f32 [B]; min_p f32 [B]; keys uint32 [B, 2]
-    (each request's PRNG key data)."""
+    (each request's PRNG key data); presence / frequency / repetition f32 [B]; bias_ids i32 [B, MAX_LOGIT_BIAS]
+    (-1 = unused) and bias f32 [B, MAX_LOGIT_BIAS]; min_tokens i32 [B] and min_stops i32 [B, W] (-1 = unused): the
+    ids held back until then."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     min_p: jax.Array
     keys: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+    bias_ids: jax.Array
+    bias: jax.Array
+    min_tokens: jax.Array
+    min_stops: jax.Array
 
 
-def batch_params(params: Sequence[SamplingParams], batch: int | None = None, default_seed: int = 0) -> SamplingBatch:
+class PenaltyState(NamedTuple):
+    """A batch's token counts for the penalties: counts i32 [B, V] (each token's count in the output so far) and
+    seen bool [B, V] (tokens of the prompt)."""
+
+    counts: jax.Array
+    seen: jax.Array
+
+
+def batch_params(params: Sequence[SamplingParams], batch: int | None = None, default_seed: int = 0,
+                 stop_ids: Sequence[Sequence[int]] | None = None) -> SamplingBatch:
     """Stack per-request params (padded with greedy rows up to `batch`). Requests without a seed get
-    default_seed + their row index."""
+    default_seed + their row index. stop_ids: each request's ids that end it (its Request.stop_ids: stop_token_ids
+    and EOS), held back while it has fewer than min_tokens tokens."""
     B = batch or len(params)
     pad = [SamplingParams()] * (B - len(params))
     ps = list(params) + pad
     seeds = [p.seed if p.seed is not None else default_seed + i for i, p in enumerate(ps)]
     keys = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(s))) for s in seeds]).astype(np.uint32)
     top_k = [p.top_k if 0 < p.top_k <= TOP_K_MAX else 0 for p in ps]
-    return SamplingBatch(jnp.asarray([p.temperature for p in ps], jnp.float32), jnp.asarray(top_k, jnp.int32),
-                         jnp.asarray([p.top_p for p in ps], jnp.float32), jnp.asarray([p.min_p for p in ps], jnp.float32),
-                         jnp.asarray(keys))
+    bias_ids = np.full((B, MAX_LOGIT_BIAS), -1, np.int32)
+    bias = np.zeros((B, MAX_LOGIT_BIAS), np.float32)
+    min_stops = np.full((B, MIN_STOP_WIDTH), -1, np.int32)
+    for b, p in enumerate(ps):
+        for j, (t, v) in enumerate(p.logit_bias):
+            bias_ids[b, j], bias[b, j] = t, v
+        if p.min_tokens and stop_ids is not None and b < len(stop_ids):
+            ids = list(stop_ids[b])[:MIN_STOP_WIDTH]
+            min_stops[b, :len(ids)] = ids
+
+    def f32(name):
+        return jnp.asarray([getattr(p, name) for p in ps], jnp.float32)
+
+    return SamplingBatch(f32("temperature"), jnp.asarray(top_k, jnp.int32), f32("top_p"), f32("min_p"),
+                         jnp.asarray(keys), f32("presence_penalty"), f32("frequency_penalty"),
+                         f32("repetition_penalty"),
+                         jnp.asarray(bias_ids), jnp.asarray(bias), jnp.asarray([p.min_tokens for p in ps], jnp.int32),
+                         jnp.asarray(min_stops))
 
 
 def _top_p_threshold(probs: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -161,12 +252,37 @@ def filtered_logits(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     return jnp.where(probs < sb.min_p[:, None] * pmax, -jnp.inf, x)
 
 
-def sample(logits: jax.Array, sb: SamplingBatch, step: jax.Array) -> jax.Array:
+def _ids_or_spare(ids: jax.Array, V: int) -> jax.Array:
+    """Token ids with -1 (unused) sent to a spare column V, clamped (compile-safety rule S12: every data-dependent
+    scatter index is clamped and in bounds; the spare column is sliced off)."""
+    return jnp.clip(jnp.where(ids >= 0, ids, V), 0, V)
+
+
+def adjusted_logits(logits: jax.Array, sb: SamplingBatch, step: jax.Array, pen: PenaltyState | None) -> jax.Array:
+    """logits [B, V] -> float32 [B, V] with logit_bias, the penalties (given `pen`) and min_tokens applied; step
+    int32 [B]: tokens each row has generated so far."""
+    x = logits.astype(jnp.float32)
+    B, V = x.shape
+    rows = jnp.arange(B)[:, None]
+    spare = jnp.zeros((B, 1), jnp.float32)
+    x = jnp.concatenate([x, spare], axis=1).at[rows, _ids_or_spare(sb.bias_ids, V)].add(sb.bias)[:, :V]
+    if pen is not None:
+        rep = sb.repetition[:, None]
+        used = pen.counts > 0
+        x = jnp.where(used | pen.seen, jnp.where(x > 0, x / rep, x * rep), x)
+        x = x - sb.frequency[:, None] * pen.counts.astype(jnp.float32) - sb.presence[:, None] * used
+    held = jnp.zeros((B, V + 1), jnp.float32).at[rows, _ids_or_spare(sb.min_stops, V)].max(1.0)[:, :V] > 0
+    return jnp.where(held & (step < sb.min_tokens)[:, None], -jnp.inf, x)
+
+
+def sample(logits: jax.Array, sb: SamplingBatch, step: jax.Array, pen: PenaltyState | None = None) -> jax.Array:
     """Next token per row: logits [B, V] fp32, step int32 scalar or [B] (each request's own step count,
-    mixed into its key) -> int32 [B]."""
+    mixed into its key; min_tokens counts it), pen: the rows' token counts when some row uses a penalty
+    -> int32 [B]."""
     B = logits.shape[0]
     step = jnp.broadcast_to(jnp.asarray(step, jnp.int32), (B,))
-    x = filtered_logits(logits, sb)
+    adjusted = adjusted_logits(logits, sb, step, pen)
+    x = filtered_logits(adjusted, sb)
 
     def noise(key_data, s):
         key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), s)
@@ -174,5 +290,21 @@ def sample(logits: jax.Array, sb: SamplingBatch, step: jax.Array) -> jax.Array:
 
     g = jax.vmap(noise)(sb.keys, step)
     sampled = jax.lax.top_k(x + g, 1)[1][:, 0]
-    greedy = jax.lax.top_k(logits.astype(jnp.float32), 1)[1][:, 0]          # top_k: lowest index on ties
+    greedy = jax.lax.top_k(adjusted, 1)[1][:, 0]          # top_k: lowest index on ties
     return jnp.where(sb.temperature > 0, sampled, greedy).astype(jnp.int32)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The raw log-softmax's value at tokens and its TOP_LOGPROBS_WIDTH largest: logits [..., V], tokens int32 [...]
+    -> (f32 [...], ids i32 [..., W], values f32 [..., W])."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    vals, ids = jax.lax.top_k(lp, min(TOP_LOGPROBS_WIDTH, lp.shape[-1]))
+    return chosen, ids.astype(jnp.int32), vals
+
+
+def sample_logprobs(logits: jax.Array, sb: SamplingBatch, step: jax.Array, pen: PenaltyState | None = None):
+    """sample, plus the drawn tokens' logprobs: (tokens i32 [B], logprob f32 [B], top ids i32 [B, W],
+    top f32 [B, W])."""
+    tok = sample(logits, sb, step, pen)
+    return (tok, *token_logprobs(logits, tok))

@@ -2,8 +2,9 @@
 model step from host inputs, and the decode loop (on the device, or on the host for models whose step is not
 one program).
 
-A decode step's carry is (tok [B] last token, count [B] tokens generated so far, done [B]): a done row feeds
-position -1 (no state writes) and emits -1; a row ends at one of its stop ids or at its max_new_tokens.
+A decode step's carry is (tok [B] last token, count [B] tokens generated so far, done [B], pen): a done row feeds
+position -1 (no state writes) and emits -1; a row ends at one of its stop ids or at its max_new_tokens. pen is the
+batch's PenaltyState (sampling.py: token counts, advanced in the loop) when some row uses a penalty, else None.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from ..model.model import Model
-from .sampling import sample
+from .sampling import PenaltyState, sample, sample_logprobs
 
 __all__ = ["MIN_BUCKET", "length_bucket", "batch_bucket", "pack_chunk", "run_step", "decode_block", "first_done",
-           "sample_program"]
+           "sample_program", "count_tokens"]
 
 MIN_BUCKET = 16
 
@@ -71,63 +72,78 @@ def run_step(model: Model, state: dict, tokens, positions, history=None, *, engr
     return step(model.params, state, model.put(tokens), model.put(positions), engram)
 
 
-def _advance(logits, carry, sb, stops, max_new, keep_logits):
-    """After one decode step: sample the next tokens and update the carry."""
-    tok, count, done = carry
-    nxt = jnp.where(done, -1, sample(logits, sb, count))
+def count_tokens(pen: PenaltyState | None, tokens: jax.Array) -> PenaltyState | None:
+    """The counts after each row drew tokens int32 [B] (-1: none)."""
+    if pen is None:
+        return None
+    rows = jnp.arange(tokens.shape[0])
+    ids = jnp.clip(tokens, 0, pen.counts.shape[1] - 1)
+    return pen._replace(counts=pen.counts.at[rows, ids].add((tokens >= 0).astype(jnp.int32)))
+
+
+def _advance(logits, carry, sb, stops, max_new, keep_logits, want_logprobs=False):
+    """After one decode step: sample the next tokens and update the carry. Returns (carry, logits or None,
+    (logprob [B], top ids [B, W], top [B, W]) or None)."""
+    tok, count, done, pen = carry
+    out = sample_logprobs(logits, sb, count, pen) if want_logprobs else (sample(logits, sb, count, pen),)
+    nxt = jnp.where(done, -1, out[0])
     count = count + (~done).astype(jnp.int32)
     done = done | jnp.any(nxt[:, None] == stops, axis=-1) | (count >= max_new)
     out_logits = jnp.where((nxt < 0)[:, None], jnp.nan, logits) if keep_logits else None
-    return (nxt, count, done), out_logits
+    return (nxt, count, done, count_tokens(pen, nxt)), out_logits, (out[1:] if want_logprobs else None)
 
 
 def _feed(carry, lens):
     """The (tokens [B, 1], positions [B, 1]) a decode step feeds."""
-    tok, count, done = carry
+    tok, count, done = carry[:3]
     return jnp.maximum(tok, 0)[:, None], jnp.where(done, -1, lens + count - 1)[:, None]
 
 
-def _device_block(params, state, engram, carry, lens, sb, stops, max_new, *, step, n_steps, keep_logits):
+def _device_block(params, state, engram, carry, lens, sb, stops, max_new, *, step, n_steps, keep_logits,
+                  want_logprobs):
     def body(c, _):
         state, carry = c
         logits, state = step(params, state, *_feed(carry, lens), engram)
-        carry, out_logits = _advance(logits, carry, sb, stops, max_new, keep_logits)
-        return (state, carry), (carry[0], out_logits)
+        carry, out_logits, lps = _advance(logits, carry, sb, stops, max_new, keep_logits, want_logprobs)
+        return (state, carry), (carry[0], out_logits, lps)
 
-    (state, carry), (toks, logits) = jax.lax.scan(body, (state, carry), None, length=n_steps)
-    return state, carry, toks, logits
+    (state, carry), (toks, logits, lps) = jax.lax.scan(body, (state, carry), None, length=n_steps)
+    return state, carry, toks, logits, lps
 
 
-def _device_block_program(model: Model, n_steps: int, keep_logits: bool):
+def _device_block_program(model: Model, n_steps: int, keep_logits: bool, want_logprobs: bool):
     """The model's own step (one program, Model.step_fn) scanned n_steps times with sampling, as one program."""
     def make():
         return jax.jit(functools.partial(_device_block, step=model.step_fn(all_logits=False), n_steps=n_steps,
-                                         keep_logits=keep_logits), donate_argnums=(1,))
+                                         keep_logits=keep_logits, want_logprobs=want_logprobs), donate_argnums=(1,))
 
-    key = ("decode_block", model.config, model.plan, model.numerics, model.layout, n_steps, keep_logits)
+    key = ("decode_block", model.config, model.plan, model.numerics, model.layout, n_steps, keep_logits, want_logprobs)
     return PROGRAMS.get(key, make)
 
 
 def decode_block(model: Model, state: dict, engram: tuple | None, carry: tuple, lens, sb, stops, max_new, *,
-                 n_steps: int, keep_logits: bool):
+                 n_steps: int, keep_logits: bool, want_logprobs: bool = False):
     """n_steps decode steps of every row: lens int32 [B] prompt lengths, sb the SamplingBatch, stops int32 [B, W]
     (-1 = unused), max_new int32 [B]. One program with a fixed trip count on the device; for models whose step is
     driven from the host (regions mode, host embedding, a host sampler) the same loop runs on the host.
-    Returns (state, carry, tokens [n_steps, B], logits [n_steps, B, V] | None); state donated."""
+    Returns (state, carry, tokens [n_steps, B], logits [n_steps, B, V] | None, logprobs: (logprob [n_steps, B],
+    top ids [n_steps, B, W], top [n_steps, B, W]) | None); state donated."""
     if not model.host_loop:
-        program = _device_block_program(model, n_steps, keep_logits)
+        program = _device_block_program(model, n_steps, keep_logits, want_logprobs)
         return program(model.params, state, engram, carry, lens, sb, stops, max_new)
-    feed, advance = PROGRAMS.jit(_feed), PROGRAMS.jit(_advance, static_argnums=(5,))
-    toks, logits = [], []
+    feed, advance = PROGRAMS.jit(_feed), PROGRAMS.jit(_advance, static_argnums=(5, 6))
+    toks, logits, lps = [], [], []
     for _ in range(n_steps):
         tok, pos = feed(carry, lens)
         if model.sampler_device is not None:             # back through the host to the model's device
             tok, pos = np.asarray(tok), np.asarray(pos)
         out, state = run_step(model, state, tok, pos, engram=engram)
-        carry, lg = advance(model.to_sampler(out), carry, sb, stops, max_new, keep_logits)
+        carry, lg, lp = advance(model.to_sampler(out), carry, sb, stops, max_new, keep_logits, want_logprobs)
         toks.append(carry[0])
         logits.append(lg)
-    return state, carry, jnp.stack(toks), jnp.stack(logits) if keep_logits else None
+        lps.append(lp)
+    stacked = tuple(jnp.stack(a) for a in zip(*lps)) if want_logprobs else None
+    return state, carry, jnp.stack(toks), jnp.stack(logits) if keep_logits else None, stacked
 
 
 def _first_done(tok, stops, max_new, lens):
@@ -139,6 +155,7 @@ def first_done(tok, stops, max_new, lens) -> jax.Array:
     return PROGRAMS.jit(_first_done)(tok, stops, max_new, lens)
 
 
-def sample_program():
-    """The jitted sampler: (logits [B, V], SamplingBatch, step int32 [B]) -> tokens int32 [B]."""
-    return PROGRAMS.jit(sample)
+def sample_program(want_logprobs: bool = False):
+    """The jitted sampler: (logits [B, V], SamplingBatch, step int32 [B], PenaltyState | None) -> tokens int32 [B]
+    (with want_logprobs: tokens, logprob, top ids, top values)."""
+    return PROGRAMS.jit(sample_logprobs if want_logprobs else sample)

@@ -44,6 +44,8 @@ class Delta:
     error: str | None = None
     time: float = 0.0
     text: str = ""
+    logprobs: list | None = None          # the new tokens' (id, logprob, top) when the request asked for them
+    prompt_logprobs: list | None = None   # with a request's first Delta, when it asked for them
 
 
 class QueueFull(RuntimeError):
@@ -60,6 +62,7 @@ class _Tracked:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     sent: int = 0          # tokens already handed over
+    sent_prompt: bool = False    # prompt logprobs handed over
     sent_text: int = 0     # characters of the text already handed over
     deadline: float | None = None    # time.monotonic() after which the request is finished with "timeout"
     timeout: float | None = None
@@ -282,7 +285,11 @@ class AsyncEngine:
                 continue
             text = (out.text or "")[t.sent_text:]
             t.sent, t.sent_text = len(out.tokens), t.sent_text + len(text)
-            d = Delta(rid, list(new), out.finished, out.finish_reason, out.error, now, text)
+            lps, plps = out.logprobs, out.prompt_logprobs
+            d = Delta(rid, list(new), out.finished, out.finish_reason, out.error, now, text,
+                      None if lps is None else list(lps[t.sent - len(new):t.sent]),
+                      None if plps is None or t.sent_prompt else list(plps))
+            t.sent_prompt = t.sent_prompt or plps is not None
             if out.finished:
                 del self._tracked[rid]
                 self.engine.release(rid)

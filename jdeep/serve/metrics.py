@@ -12,7 +12,7 @@ import math
 import threading
 from typing import Callable, Sequence
 
-__all__ = ["Registry", "Counter", "Gauge", "Histogram", "LATENCY_BUCKETS"]
+__all__ = ["Registry", "Counter", "CounterFn", "Gauge", "Histogram", "LATENCY_BUCKETS"]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                    10.0, 20.0, 40.0, 80.0)
@@ -71,6 +71,12 @@ class Gauge(_Metric):
 
     def lines(self) -> list[str]:
         return self.header() + [f"{self.name} {_num(self.read())}"]
+
+
+class CounterFn(Gauge):
+    """A counter whose value is read at render time from `read()` (one another component advances)."""
+
+    kind = "counter"
 
 
 class Histogram(_Metric):

@@ -34,10 +34,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..io.chat import chat_format_for
 from ..runtime.engine import Engine
-from .async_engine import AsyncEngine, Delta, QueueFull, RequestHandle
-from .openai_protocol import (APIError, GenerationRequest, ServingContext, chat_chunk, chat_response, completion_chunk,
-                              completion_response, parse_chat, parse_completion, parse_json, usage, usage_chunk)
+from .async_engine import AsyncEngine, QueueFull, RequestHandle
+from .chat_protocol import parse_chat
+from .openai_protocol import APIError, GenerationRequest, ServingContext, parse_completion, parse_json
+from .responses import (Choice, chat_chunk, chat_response, chat_role_chunk, completion_chunk, completion_response,
+                        pick_best, req_prompt_text, usage, usage_chunk)
 from .server_metrics import Latency, ServerMetrics
 
 __all__ = ["ServerSettings", "build_app", "serve", "make_server", "background_server"]
@@ -61,24 +64,7 @@ class ServerSettings:
     created: int = 0                    # the model's "created" timestamp in /v1/models
     max_waiting: int | None = None
     request_timeout: float | None = None
-
-
-class _Choice:
-    """One choice's tokens and text as the engine's Deltas arrive (the engine cut the text before a stop string)."""
-
-    def __init__(self):
-        self.tokens: list[int] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-
-    def push(self, d: Delta) -> str:
-        self.tokens += d.tokens
-        self.text += d.text
-        return d.text
-
-    def as_dict(self) -> dict:
-        return {"text": self.text, "finish_reason": self.finish_reason, "token_ids": self.tokens}
+    chat_format: str | None = None      # "v4" / "v41" (io/chat); None: from the model's config
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -130,7 +116,8 @@ class _App:
     def __init__(self, aengine: AsyncEngine, settings: ServerSettings):
         self.engine, self.settings = aengine, settings
         eng = aengine.engine
-        self.ctx = ServingContext(settings.model_name, eng.max_len, eng.tokenizer, aengine.check)
+        self.ctx = ServingContext(settings.model_name, eng.max_len, eng.tokenizer, aengine.check,
+                                  chat_format_for(eng.model.config.model_type, settings.chat_format))
         self.metrics = ServerMetrics(aengine)
         self.draining = False
 
@@ -193,7 +180,7 @@ class _App:
             handles = self._submit(req, queue)
         except APIError as e:
             return _error(e)
-        choices = [_Choice() for _ in handles]
+        choices = [Choice(req, self.ctx.tokenizer, k // req.best_of) for k in range(len(handles))]
         index = {h.request_id: i for i, h in enumerate(handles)}
         if req.stream:
             return _Stream(self._events(req, handles, queue, choices, index, timer), handles)
@@ -201,8 +188,6 @@ class _App:
         try:
             async for i, d in self._deltas(handles, queue, index, timer):
                 choices[i].push(d)
-                if d.finished:
-                    choices[i].finish_reason, choices[i].error = d.finish_reason, d.error
         finally:
             watcher.cancel()
             for h in handles:
@@ -211,10 +196,11 @@ class _App:
         self._done(req, choices, timer)
         if failed:
             return _error(_failure(failed[0].finish_reason, failed[0].error))
-        u = usage(sum(map(len, req.prompts)), sum(len(c.tokens) for c in choices))
+        u = _usage(req, choices)
+        best = pick_best(req, choices)
         if req.kind == "completion":
-            return JSONResponse(completion_response(req, [c.as_dict() for c in choices], u))
-        return JSONResponse(chat_response(req, choices[0].as_dict(), u))
+            return JSONResponse(completion_response(req, best, u))
+        return JSONResponse(chat_response(req, best, u))
 
     async def _deltas(self, handles: list[RequestHandle], queue: asyncio.Queue, index: dict, timer: Latency):
         """(choice index, Delta) until every request has finished; feeds the latency metrics."""
@@ -228,34 +214,43 @@ class _App:
                 left -= 1
             yield i, d
 
-    def _done(self, req: GenerationRequest, choices: list[_Choice], timer: Latency) -> None:
+    def _done(self, req: GenerationRequest, choices: list[Choice], timer: Latency) -> None:
         timer.done(sum(map(len, req.prompts)), sum(len(c.tokens) for c in choices),
                    [c.finish_reason or "abort" for c in choices])
 
-    async def _events(self, req: GenerationRequest, handles, queue, choices: list[_Choice], index: dict, timer: Latency):
+    async def _events(self, req: GenerationRequest, handles, queue, choices: list[Choice], index: dict, timer: Latency):
         chat = req.kind == "chat"
+        started = [False] * len(choices)
         try:
             if chat:
-                yield _sse(chat_chunk(req, {"role": "assistant", "content": ""}, [], None))
+                for i in range(len(choices)):
+                    yield _sse(chat_role_chunk(req, i))
             async for i, d in self._deltas(handles, queue, index, timer):
                 c = choices[i]
-                text = c.push(d)
-                if d.finished:
-                    c.finish_reason = d.finish_reason
+                delta = c.push(d)
                 if d.finish_reason in FAILED:
                     yield _sse(_failure(d.finish_reason, d.error).body())
                     break
-                if not text and not d.finished and not (req.return_token_ids and d.tokens):
+                wanted = delta if chat else delta["text"]
+                if req.echo and not started[i]:
+                    wanted = req_prompt_text(req, c) + wanted
+                if not (wanted or d.finished or (d.tokens and (req.return_token_ids or req.logprobs is not None))):
                     continue
                 if chat:
-                    yield _sse(chat_chunk(req, {"content": text} if text else {}, d.tokens, d.finish_reason))
+                    yield _sse(chat_chunk(req, i, c, delta, len(d.tokens)))
                 else:
-                    yield _sse(completion_chunk(req, i, text, d.tokens, d.finish_reason))
+                    yield _sse(completion_chunk(req, i, c, wanted, len(d.tokens), echo=req.echo and not started[i]))
+                started[i] = True
             if req.include_usage:
-                yield _sse(usage_chunk(req, usage(sum(map(len, req.prompts)), sum(len(c.tokens) for c in choices))))
+                yield _sse(usage_chunk(req, _usage(req, choices)))
             yield "data: [DONE]\n\n"
         finally:
             self._done(req, choices, timer)
+
+
+def _usage(req: GenerationRequest, choices: list[Choice]) -> dict:
+    """Prompt tokens once per prompt, completion tokens of every sequence generated (best_of ones included)."""
+    return usage(sum(map(len, req.prompts)), sum(len(c.tokens) for c in choices))
 
 
 class _RequestCounter:

@@ -9,7 +9,7 @@ from typing import Iterable
 
 from .async_engine import AsyncEngine
 from ..runtime.engine import IterationStats
-from .metrics import Counter, Gauge, Histogram, Registry
+from .metrics import Counter, CounterFn, Gauge, Histogram, Registry
 
 __all__ = ["ServerMetrics", "Latency"]
 
@@ -53,6 +53,17 @@ class ServerMetrics:
                     lambda: aengine.engine.max_num_batched_tokens))
         aengine.on_step = self.step.observe          # from the engine thread (histograms take a lock)
         aengine.engine.on_iteration = self._iteration
+        cache = aengine.engine.prefix_cache
+        if cache is not None:       # counters the engine thread advances; read as they are (ints, no lock needed)
+            pc = cache.stats
+            for name, what, read in [("hits", "Prompts that started from a cached prefix", lambda: pc.hits),
+                                     ("misses", "Prompts that found no cached prefix", lambda: pc.misses),
+                                     ("hit_tokens", "Prompt tokens served from cached prefixes", lambda: pc.hit_tokens),
+                                     ("evictions", "Snapshots evicted (least recently used)", lambda: pc.evictions)]:
+                r.add(CounterFn(f"jdeep_prefix_cache_{name}_total", what, read))
+            r.add(Gauge("jdeep_prefix_cache_bytes", "Device bytes of the cached prefix snapshots", lambda: pc.bytes))
+            r.add(Gauge("jdeep_prefix_cache_budget_bytes", "The prefix cache's byte budget", lambda: cache.budget))
+            r.add(Gauge("jdeep_prefix_cache_entries", "Cached prefix snapshots", lambda: pc.entries))
 
     def _iteration(self, it: IterationStats) -> None:
         self.iteration_decode.observe(it.decode_tokens)

@@ -29,6 +29,7 @@ from ..model.model import Model
 from ..runtime.engine import Engine, RequestOutput
 from ..runtime.sampling import INT32_MAX, SamplingBatch, SamplingParams
 from ..runtime.scheduler import Iteration
+from ..runtime.slot_sampling import SPECULATIVE_UNSUPPORTED
 from ..runtime.steps import length_bucket
 from ..state import move_slot, put_slot_window, slot_window, zero_slots
 from .config import parse_speculative
@@ -69,6 +70,8 @@ def _prefill_window(params, state, dstate, tokens, positions, engram, sb, start,
 class DSparkEngine(Engine):
     """Engine(model, ...) with speculative={"method": "dspark", "num_speculative_tokens": k} (a DeepSeek-V4.1 model
     loaded with mtp=True). `spec_stats` counts drafted and accepted tokens (mtp_decode.SpecStats)."""
+
+    unsupported = SPECULATIVE_UNSUPPORTED
 
     def __init__(self, model: Model, speculative: dict, **kw):
         method, self.k = parse_speculative(speculative)

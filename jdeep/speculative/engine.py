@@ -25,6 +25,7 @@ from ..model.scan import model_step
 from ..runtime.engine import Engine, RequestOutput
 from ..runtime.sampling import INT32_MAX, SamplingParams
 from ..runtime.scheduler import Iteration
+from ..runtime.slot_sampling import SPECULATIVE_UNSUPPORTED
 from ..runtime.steps import length_bucket, pack_chunk
 from ..state import move_slot, put_slot_window, slot_window, zero_slots
 from .config import parse_speculative
@@ -124,6 +125,8 @@ def _move_all(state, mstate, carry, src, dst):
 class SpeculativeEngine(Engine):
     """Engine(model, ...) with speculative={"method": "mtp", "num_speculative_tokens": k} (model loaded with
     mtp=True). `spec_stats` counts drafted and accepted tokens (SpecStats)."""
+
+    unsupported = SPECULATIVE_UNSUPPORTED
 
     def __init__(self, model: Model, speculative: dict, **kw):
         method, self.k = parse_speculative(speculative)
@@ -288,5 +291,8 @@ def make_engine(model: Model, speculative: dict | None = None, **kw) -> Engine:
     (MTP) or DSparkEngine."""
     if speculative is None:
         return Engine(model, **kw)
+    if kw.pop("prefix_cache_bytes", 0):
+        raise ValueError("prefix caching does not support speculative decoding yet (its drafter state is not "
+                         "snapshotted): drop --prefix-cache-bytes or --speculative-config")
     method, _ = parse_speculative(speculative)
     return (DSparkEngine if method == "dspark" else SpeculativeEngine)(model, speculative, **kw)

@@ -26,7 +26,7 @@ from ..model.regions import regions_step
 from ..numerics import Numerics
 from ..param_spec import abstract_params
 from ..plan import LayerPlan, build_plan
-from ..runtime.sampling import SamplingBatch
+from ..runtime.sampling import MAX_LOGIT_BIAS, MIN_STOP_WIDTH, SamplingBatch
 from ..runtime.steps import length_bucket
 from ..state import init_state
 
@@ -58,9 +58,10 @@ class Target:
     @classmethod
     def for_config(cls, config: ModelConfig, dtype: Any, compile_mode: str = "scan", host_embedding: bool = False,
                    quantize_activations: bool | None = None, fp8_max: float | None = None, packed_kv: bool = False,
-                   packed_params: bool = False) -> "Target":
-        """From a config alone (no weights): the layer plan and numerics jdeep.load would build for it."""
-        numerics = Numerics.for_config(config, quantize_activations, fp8_max, packed_kv)
+                   packed_params: bool = False, platform: str | None = None) -> "Target":
+        """From a config alone (no weights): the layer plan and numerics jdeep.load would build for it on
+        `platform` (default: JAX's backend; "neuron" where the programs are checked or exported for Neuron)."""
+        numerics = Numerics.for_config(config, quantize_activations, fp8_max, packed_kv, platform)
         return cls(config, build_plan(config), numerics, dtype, compile_mode, host_embedding, packed_params)
 
 
@@ -101,7 +102,9 @@ def step_inputs(t: Target, B: int, S: int, max_len: int) -> tuple:
 def sampling_inputs(B: int) -> SamplingBatch:
     """Abstract per-row sampling parameters of B rows (what the speculative programs take)."""
     f, i = jax.ShapeDtypeStruct((B,), jnp.float32), jax.ShapeDtypeStruct((B,), jnp.int32)
-    return SamplingBatch(f, i, f, f, jax.ShapeDtypeStruct((B, 2), jnp.uint32))
+    bias_ids, bias = (jax.ShapeDtypeStruct((B, MAX_LOGIT_BIAS), dt) for dt in (jnp.int32, jnp.float32))
+    return SamplingBatch(f, i, f, f, jax.ShapeDtypeStruct((B, 2), jnp.uint32), f, f, f, bias_ids, bias, i,
+                         jax.ShapeDtypeStruct((B, MIN_STOP_WIDTH), jnp.int32))
 
 
 def chunk_buckets(longest: int) -> tuple[int, ...]:

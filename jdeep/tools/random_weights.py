@@ -13,7 +13,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from ..config import ModelConfig
 from ..io.safetensors import write_safetensors
-from ..io.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
+from ..io.chat.formats import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
 from ..io.writer import quantize_weight
 from ..kernels import codecs
 from ..param_spec import (F32, FP4, FP8, FP8_DEQUANT, INDEX, TensorSpec, dspark_extra_specs, dspark_stage_specs,

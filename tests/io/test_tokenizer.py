@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from conftest import golden_path
 
-from jdeep.io.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER, Tokenizer, chat_prompt
+from jdeep.io.chat import V4, V41, encode_chat
+from jdeep.io.tokenizer import Tokenizer
 
 TEXT = "Grüße, 世界! Ünïcödé ✓ 🙂 and plain ascii\nnew line"
 
@@ -43,16 +44,17 @@ def test_incremental_matches_full_decode_on_random_ids(tok):
     assert text == tok.decode(ids)
 
 
-def test_chat_prompt_layout():
+def test_chat_is_the_encoded_chat_prompt(tok):
+    """Tokenizer.chat encodes io/chat's prompt (its layout is tested against DeepSeek's encoders in tests/io/chat)."""
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "1+1?"}]
-    assert chat_prompt(msgs) == f"{BOS}Be brief.{USER}hi{ASSISTANT}{END_THINK}hello{EOS}{USER}1+1?{ASSISTANT}{END_THINK}"
-    assert chat_prompt(msgs, thinking=True).endswith(f"{USER}1+1?{ASSISTANT}{THINK}")
-    for bad in ([], [{"role": "assistant", "content": "x"}], [{"role": "user", "content": 3}],
-                [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
-                [{"role": "robot", "content": "a"}]):
-        with pytest.raises(ValueError):
-            chat_prompt(bad)
+    for fmt in (V4, V41):
+        for thinking in (False, True):
+            text = encode_chat(fmt, msgs, thinking=thinking)
+            assert tok.chat(msgs, thinking=thinking, fmt=fmt) == tok.encode(text)
+            assert tok.decode(tok.chat(msgs, thinking=thinking, fmt=fmt), skip_special_tokens=False) == text
+    with pytest.raises(ValueError, match="last message"):
+        tok.chat(msgs[:3])
 
 
 def test_missing_tokenizer_is_a_clear_error(tmp_path):

@@ -50,7 +50,9 @@ def test_warmup_compiles_every_program_serving_reaches(model):
     jax.clear_caches()                                    # whatever ran before in this process
     eng = Engine(model, max_num_seqs=8, max_len=64, prefill_chunk=16)
     state = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(eng.state)]
-    assert eng.warmup() == 4 * 3 + 1                      # windows 1, 2, 4, 8 x (decode, prefill 16, sampler), slot move
+    # windows 1, 2, 4, 8 x (decode, prefill 16, the sampler with and without logprobs and penalties, the penalty
+    # window and count), penalty reset and move, slot move (prompt logprobs: tests/runtime/test_logprobs_penalties.py)
+    assert eng.warmup(prompt_logprobs=False) == 4 * (2 + 6) + 2 + 1
     for before, after in zip(state, jax.tree_util.tree_leaves(eng.state)):
         np.testing.assert_array_equal(before, np.asarray(after))     # rows at position -1 write nothing
     assert eng.steps_per_bucket == {}

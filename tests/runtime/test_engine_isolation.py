@@ -103,11 +103,11 @@ def test_a_failed_step_then_reset_serves_the_next_requests_exactly(model, monkey
     eng = Engine(model, **ENGINE)
     run, calls = Engine._run, []
 
-    def failing_run(self, toks, pos, rows):
+    def failing_run(self, toks, pos, rows, **kw):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("device lost")
-        return run(self, toks, pos, rows)
+        return run(self, toks, pos, rows, **kw)
 
     monkeypatch.setattr(Engine, "_run", failing_run)
     eng.add_request([0, 5, 9], SamplingParams(temperature=0.8, seed=2 ** 62, max_new_tokens=20), request_id="x")

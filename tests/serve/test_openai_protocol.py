@@ -9,7 +9,9 @@ import pytest
 from jdeep import SamplingParams
 from jdeep.io.tokenizer import Tokenizer
 from jdeep.runtime.requests import check_request
-from jdeep.serve.openai_protocol import APIError, ServingContext, parse_chat, parse_completion, parse_json
+from jdeep.io.chat import V4, V41, encode_chat
+from jdeep.serve.chat_protocol import parse_chat
+from jdeep.serve.openai_protocol import APIError, ServingContext, parse_completion, parse_json
 from jdeep.tools.random_weights import write_word_tokenizer
 
 V, MAX_LEN = 512, 64
@@ -54,8 +56,16 @@ def test_completion_fields_become_sampling_params(ctx):
 def test_bad_completion_fields_name_themselves(ctx):
     cases = [({"model": "other", "prompt": [1]}, 404, "model"), ({"prompt": [1], "temperature": "hot"}, 400, "temperature"),
              ({"prompt": [1], "max_tokens": 0}, 400, "max_tokens"), ({"prompt": [1], "max_tokens": True}, 400, "max_tokens"),
-             ({"prompt": [1], "n": 3}, 400, "n"), ({"prompt": [1], "echo": True}, 400, "echo"),
-             ({"prompt": [1], "presence_penalty": 0.5}, 400, "presence_penalty"), ({"prompt": [1], "stop": 3}, 400, "stop"),
+             ({"prompt": [1], "n": 0}, 400, "n"), ({"prompt": [1], "echo": 1}, 400, "echo"),
+             ({"prompt": [1], "presence_penalty": 2.5}, 400, "presence_penalty"), ({"prompt": [1], "stop": 3}, 400, "stop"),
+             ({"prompt": [1], "n": 3, "best_of": 2}, 400, "best_of"), ({"prompt": [1], "logprobs": 21}, 400, "logprobs"),
+             ({"prompt": [1], "best_of": 3, "stream": True}, 400, "best_of"),
+             ({"prompt": [1], "logit_bias": {"x": 1}}, 400, "logit_bias"),
+             ({"prompt": [1], "logit_bias": {"7": 101}}, 400, "logit_bias"),
+             ({"prompt": [1], "logit_bias": {str(V): 1}}, 400, "logit_bias"),
+             ({"prompt": [1], "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens"),
+             ({"prompt": [1], "repetition_penalty": 0}, 400, "repetition_penalty"),
+             ({"prompt": [1], "top_logprobs": 2}, 400, "top_logprobs"), ({"prompt": [1], "suffix": "x"}, 400, "suffix"),
              ({"prompt": [1], "stream_options": {"include_usage": True}}, 400, "stream_options"),
              ({"prompt": [[1], []]}, 400, "prompt"), ({"prompt": [1.5]}, 400, "prompt"), ({}, 400, "prompt"),
              ({"prompt": [1], "max_tokens": MAX_LEN}, 400, "max_tokens"), ({"prompt": [1] * MAX_LEN}, 400, "prompt")]
@@ -70,6 +80,26 @@ def test_bad_completion_fields_name_themselves(ctx):
         parse_completion({"prompt": [1], **off}, ctx)                          # explicit "off" values are fine
 
 
+def test_completion_choices_logprobs_penalties(ctx):
+    """n, best_of, logprobs, echo and the penalties reach the engine's requests: best_of samples per prompt (seeds
+    apart), logprobs for best_of's ranking, prompt logprobs only with echo."""
+    r = parse_completion({"prompt": [[0, 7], [0, 8]], "n": 2, "best_of": 3, "seed": 5, "logprobs": 2, "echo": True,
+                          "presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.2,
+                          "logit_bias": {"9": -100, "11": 2.5}, "min_tokens": 2, "max_tokens": 4}, ctx)
+    assert (r.n, r.best_of, r.logprobs, r.echo) == (2, 3, 2, True)
+    assert [q.ids.tolist() for q in r.requests] == [[0, 7]] * 3 + [[0, 8]] * 3
+    assert [q.params.seed for q in r.requests] == [5, 6, 7] * 2
+    p = r.requests[0].params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (0.5, -0.25, 1.2, 2)
+    assert p.logit_bias == ((9, -100.0), (11, 2.5)) and p.logprobs == 2 and p.prompt_logprobs == 2
+    ranked = parse_completion({"prompt": [0, 7], "n": 1, "best_of": 2}, ctx)
+    assert ranked.requests[0].params.logprobs == 0 and ranked.requests[0].params.prompt_logprobs is None
+    plain = parse_completion({"prompt": [0, 7], "n": 3}, ctx)
+    assert len(plain.requests) == 3 and plain.requests[0].params.logprobs is None
+    assert [q.params.seed for q in plain.requests] == [None] * 3     # the engine draws each its own seed
+    assert _error(parse_completion, {"prompt": [[0, 7]] * 9, "n": 8}, ctx).param == "n"     # 72 sequences
+
+
 def test_chat_messages(ctx, tok):
     r = parse_chat({"messages": [{"role": "developer", "content": "tok9"},
                                  {"role": "user", "content": [{"type": "text", "text": "tok7 "}, {"type": "text",
@@ -81,12 +111,65 @@ def test_chat_messages(ctx, tok):
                         "chat_template_kwargs": {"thinking": True}}, ctx)
     assert think.prompts == [tok.chat([{"role": "user", "content": "tok7"}], thinking=True)]
     assert think.params.max_new_tokens == 3
-    for messages in ([], [{"role": "tool", "content": "x"}], [{"role": "user", "content": None}],
+    for messages in ([], [{"role": "user", "content": None}],
                      [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
                      [{"role": "assistant", "content": "tok1"}], "hello"):
         assert _error(parse_chat, {"messages": messages}, ctx).param == "messages"
     assert _error(parse_chat, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
                   ctx).param == "tools"
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+USER = [{"role": "user", "content": "tok7"}]
+
+
+def _long(tok, fmt=V4):
+    """A context long enough for DeepSeek's tools section (each of its words is a token of the word tokenizer)."""
+    return ServingContext("m", 1024, tok, functools.partial(check_request, vocab_size=V, max_len=1024, tokenizer=tok),
+                          fmt)
+
+
+def test_chat_tools_and_tool_choice(tok):
+    ctx = _long(tok)
+    auto = parse_chat({"messages": USER, "tools": [TOOL]}, ctx)
+    assert auto.chat.tool_choice == "auto" and auto.chat.tool_names == ("get_weather",) and auto.chat.prefix == ""
+    assert auto.prompts == [tok.encode(encode_chat(V4, USER, tools=[TOOL["function"]]))]
+    assert not auto.requests[0].params.skip_special_tokens            # the parser reads </think> and DSML tags
+    none = parse_chat({"messages": USER, "tools": [TOOL], "tool_choice": "none"}, ctx)
+    assert none.prompts == [tok.chat(USER)] and not none.chat.report_calls     # tools not shown
+    named = parse_chat({"messages": USER, "tools": [TOOL],
+                        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, ctx)
+    assert named.chat.prefix.endswith('name="get_weather">\n') and named.chat.prefix.startswith("\n\n<｜DSML｜")
+    assert named.prompts == [tok.encode(encode_chat(V4, USER, tools=[TOOL["function"]]) + named.chat.prefix)]
+    required = parse_chat({"messages": USER, "tools": [TOOL], "tool_choice": "required"}, ctx)
+    assert required.chat.prefix.endswith('invoke name="')
+    for body, param in [({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+                         "tool_choice"),
+                        ({"tools": [TOOL], "tool_choice": "required", "chat_template_kwargs": {"thinking": True}},
+                         "tool_choice"),
+                        ({"tools": [TOOL, TOOL]}, "tools"), ({"tools": [{"type": "function", "function": {
+                            "name": "bad name"}}]}, "tools"), ({"tools": "x"}, "tools"),
+                        ({"tools": [TOOL], "parallel_tool_calls": 1}, "parallel_tool_calls"),
+                        ({"reasoning_effort": "medium"}, "reasoning_effort"), ({"top_logprobs": 3}, "top_logprobs"),
+                        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"echo": True}, "echo")]:
+        assert _error(parse_chat, {"messages": USER, **body}, ctx).param == param, body
+
+
+def test_chat_thinking_effort_and_format(tok):
+    ctx, v41 = _long(tok), _long(tok, V41)
+    r = parse_chat({"messages": USER, "reasoning_effort": "max", "chat_template_kwargs": {"thinking": True},
+                    "logprobs": True, "top_logprobs": 3, "n": 2}, v41)
+    assert r.prompts == [tok.encode(encode_chat(V41, USER, thinking=True, reasoning_effort="max"))]
+    assert r.chat.thinking and r.chat.logprobs and r.logprobs == 3 and r.n == 2 and len(r.requests) == 2
+    assert parse_chat({"messages": USER, "reasoning_effort": "max", "chat_template_kwargs": {"thinking": True}},
+                      ctx).prompts == [tok.encode(encode_chat(V4, USER, thinking=True, reasoning_effort="max"))]
+    assert _error(parse_chat, {"messages": USER, "reasoning_effort": 75}, ctx).param == "reasoning_effort"   # V4
+    assert parse_chat({"messages": USER, "reasoning_effort": 75}, v41).chat.fmt is V41
+    image = [{"role": "user", "content": [{"type": "text", "text": "tok7"},
+                                          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
+    e = _error(parse_chat, {"messages": image}, v41)
+    assert e.param == "messages" and "vision tower" in e.message
 
 
 def test_without_a_tokenizer_token_ids_come_back_and_text_is_refused(ctx):

@@ -24,7 +24,8 @@ from jdeep.presets import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.runtime.requests import check_request
 from jdeep.runtime.sampling import batch_params
-from jdeep.serve.openai_protocol import APIError, GenerationRequest, ServingContext, parse_chat, parse_completion
+from jdeep.serve.chat_protocol import parse_chat
+from jdeep.serve.openai_protocol import APIError, GenerationRequest, ServingContext, parse_completion
 from jdeep.serve.server import ServerSettings, background_server
 from jdeep.tools.random_weights import random_checkpoint, write_word_tokenizer
 
@@ -46,7 +47,9 @@ _text = st.one_of(_words, st.text(max_size=20))
 
 _FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
            "min_p", "seed", "stop", "stop_token_ids", "stream", "stream_options", "return_token_ids", "n", "logprobs",
-           "echo", "presence_penalty", "logit_bias", "chat_template_kwargs", "user", "tools"]
+           "echo", "presence_penalty", "logit_bias", "chat_template_kwargs", "user", "tools", "best_of", "top_logprobs",
+           "frequency_penalty", "repetition_penalty", "min_tokens", "tool_choice", "parallel_tool_calls",
+           "reasoning_effort"]
 # a plausible request (mostly valid: sizes within the tiny server's context) ...
 _valid_sampling = st.fixed_dictionaries({}, optional={
     "model": st.just("m"), "max_tokens": st.integers(1, 8), "temperature": st.floats(0, 2),
@@ -54,7 +57,8 @@ _valid_sampling = st.fixed_dictionaries({}, optional={
     "seed": st.integers(0, 2 ** 63 - 1),
     "stop": st.one_of(_words.filter(bool), st.lists(_words.filter(bool), max_size=2)),
     "stop_token_ids": st.lists(st.integers(0, V - 1), max_size=3), "stream": st.booleans(),
-    "return_token_ids": st.booleans(), "n": st.just(1)})
+    "return_token_ids": st.booleans(), "n": st.integers(1, 3), "presence_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, V - 1).map(str), st.floats(-100, 100), max_size=3)})
 _valid_prompt = st.one_of(_words.filter(bool), st.lists(st.integers(0, V - 1), min_size=1, max_size=12),
                           st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=6), min_size=1, max_size=3))
 _valid_messages = st.tuples(st.booleans(), _words, _words).map(

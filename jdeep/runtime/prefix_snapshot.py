@@ -1,0 +1,158 @@
+"""Prefix caching in the Engine: the snapshot copy-out / copy-in programs and the hooks the engine calls.
+
+- admission (`admit_cached`): a request that takes a freshly reset slot looks up the longest cached prefix of its
+  prompt (prefix_cache.py). On a hit the snapshot is copied into its slot, its Engram n-gram history (models with
+  Engram layers) is replayed from the prefix's last tokens, and those tokens count as prefilled. The request then
+  gets its snapshot points (PrefixCache.targets).
+- scheduling (`cut_at_targets`): a prefilling request's remaining prompt is reported only up to its next snapshot
+  point, so the scheduler ends its prefill chunk there.
+- after a chunk (`snapshot_prefills`): a request whose prefill now ends on its next snapshot point is copied out of
+  its slot, unless that prefix is cached already.
+
+Programs: a snapshot of p tokens keeps its pools' first L // m entries, L = the smallest power of two >= max(p,
+block) (steps.length_bucket), so there is one copy-out and one copy-in program per L up to the state's length,
+compiled by `warm_snapshots`. Snapshots stay on the device, as program outputs placed like the state; their bytes
+count against the budget.
+
+Exactness: the restored slot holds exactly the state the earlier request had after the prefix (state.py), so the
+continuation computes what a from-scratch run does over the same chunks after the prefix: bit for bit equal logits
+when those chunks have the same length buckets. Where chunks end does not change a bit; the program's chunk bucket
+S does (XLA:CPU picks other kernels): the state after a prefix is the same for any chunking whose buckets are all
+>= 128 on the v41-tiny-q golden (>= 64 on v4-tiny-q), while smaller buckets round differently: float32 rounding,
+~1e-6 in the logits, which DeepSeek's fp8 / fp4 quantisation and top-k selections can amplify (up to 0.4 in
+v41-tiny-q's logits with 64-token chunks). The cache cuts chunks only at block multiples, so the chunks it adds
+are whole blocks (bucket >= 128 with prefill_chunk >= 128); a hit's prompt tail after the prefix may be chunked
+in smaller buckets than a from-scratch run would chunk it, and then differs from it as any rechunking does.
+
+Not served: requests asking for prompt logprobs look nothing up (they need every prompt position's logits), a
+device mesh (model.layout) and the speculative engines (their drafter state is not snapshotted) refuse the cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from ..model.cache import PROGRAMS
+from ..state import restore_slot, snapshot_slot
+from .prefix_cache import DEFAULT_BLOCK, PrefixCache, PrefixPlan
+from .steps import length_bucket
+
+__all__ = ["prefix_cache_for", "admit_cached", "cut_at_targets", "snapshot_prefills", "take_snapshot",
+           "restore_snapshot", "replay_history", "warm_snapshots"]
+
+
+def prefix_cache_for(model, budget_bytes: int, max_len: int) -> PrefixCache | None:
+    """The Engine's cache for a decode state of `max_len` tokens (None when budget_bytes is 0); ValueError for a
+    model on a device mesh. The block is DEFAULT_BLOCK, or a multiple of a larger compress ratio."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {budget_bytes!r}")
+    if not budget_bytes:
+        return None
+    if model.layout is not None:
+        raise ValueError("prefix caching does not support a model on a device mesh yet (its snapshots would have to "
+                         "follow the state's sharding): use prefix_cache_bytes=0")
+    ratios = [k.ratio for k in model.config.attention_kinds if k.ratio > 0]
+    return PrefixCache(budget_bytes, max_len, block=math.lcm(DEFAULT_BLOCK, *ratios))
+
+
+def take_snapshot(cache: PrefixCache, state: dict, slot: jax.Array, p: int) -> tuple[dict, int]:
+    """(snapshot, device bytes) of slot `slot` (int32 scalar on the device) after p prompt tokens."""
+    fn = PROGRAMS.jit(snapshot_slot, static_argnames=("n_tokens", "max_len"))
+    snap = fn(state, slot, n_tokens=length_bucket(p, cache.block), max_len=cache.max_len)
+    return snap, sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(snap))
+
+
+def restore_snapshot(state: dict, snap: dict, slot: jax.Array) -> dict:
+    """The state with `snap` written over slot `slot` (state donated)."""
+    return PROGRAMS.jit(restore_slot, donate_argnums=(0,))(state, snap, slot)
+
+
+def replay_history(history, slot: int, prefix: np.ndarray, image_token_id: int | None) -> None:
+    """Set slot `slot`'s (freshly reset) Engram n-gram history to what prefilling `prefix` leaves: its last H tokens
+    pushed through NgramHistory.advance (image tokens dead, as Model.engram_inputs marks them)."""
+    tail = np.asarray(prefix[max(0, len(prefix) - history.layout.history):], np.int64)
+    if not len(tail):
+        return
+    toks = np.zeros((history.batch, len(tail)), np.int64)
+    toks[slot] = tail
+    n_valid = np.zeros(history.batch, np.int64)
+    n_valid[slot] = len(tail)
+    history.advance(toks, n_valid, None if image_token_id is None else toks == image_token_id)
+
+
+def admit_cached(engine, slots: list[int]) -> None:
+    """Requests that just took `slots` (freshly reset, histories reset) start from the longest cached prefix of their
+    prompt and get their snapshot points (module docstring). Nothing without a cache (as every hook here)."""
+    cache = engine.prefix_cache
+    if cache is None:
+        return
+    for i in slots:
+        s = engine.slots[i]
+        ids = s.request.ids
+        chain = cache.chain(ids)
+        if s.params.prompt_logprobs is None:
+            n, snap = cache.lookup(ids, chain)
+            if snap is not None:
+                engine.state = restore_snapshot(engine.state, snap, engine.model.put(np.int32(i)))
+                if engine.history is not None:
+                    replay_history(engine.history, i, ids[:n], engine.model.config.image_token_id)
+                s.prefilled = n
+        targets = cache.targets(ids, chain, s.prefilled)
+        if targets:
+            cache.plans[s.out.request_id] = PrefixPlan(chain, targets)
+        else:               # (a plan left by an aborted request of the same id is not this request's)
+            cache.plans.pop(s.out.request_id, None)
+
+
+def cut_at_targets(engine, remaining: list[int | None]) -> list[int | None]:
+    """Each slot's prompt tokens left to prefill, counted only up to its next snapshot point (so the scheduler ends
+    its chunk there); forgets the plans of requests that left (finished or aborted)."""
+    cache = engine.prefix_cache
+    if cache is None:
+        return remaining
+    live = {s.out.request_id for s in engine.slots if s is not None}
+    for rid in [r for r in cache.plans if r not in live]:
+        del cache.plans[rid]
+    out = list(remaining)
+    for i, s in enumerate(engine.slots):
+        plan = cache.plans.get(s.out.request_id) if s is not None else None
+        if plan is not None and out[i]:
+            out[i] = min(out[i], plan.targets[0] - s.prefilled)
+    return out
+
+
+def snapshot_prefills(engine, slots) -> None:
+    """After a prefill chunk: copy out every slot in `slots` whose prefill now ends on its next snapshot point, unless
+    that prefix is cached already."""
+    cache = engine.prefix_cache
+    if cache is None:
+        return
+    for i in slots:
+        s = engine.slots[i]
+        plan = cache.plans.get(s.out.request_id)
+        if plan is None or s.prefilled != plan.targets[0]:
+            continue
+        p = plan.targets.pop(0)
+        if not plan.targets:
+            del cache.plans[s.out.request_id]
+        if not cache.cached(s.request.ids, plan.chain, p):
+            snap, nbytes = take_snapshot(cache, engine.state, engine.model.put(np.int32(i)), p)
+            cache.insert(s.request.ids, plan.chain, p, snap, nbytes)
+
+
+def warm_snapshots(engine) -> int:
+    """Run the copy-out and copy-in program of every snapshot size on slot 0 (onto itself: the state is unchanged);
+    returns the number of programs run."""
+    cache, n = engine.prefix_cache, 0
+    if cache is None or engine.max_len - 1 < cache.block:      # (no prefix that short can be cached)
+        return 0
+    zero = engine.model.put(np.int32(0))
+    size, largest = cache.block, length_bucket(engine.max_len - 1, cache.block)
+    while size <= largest:
+        snap, _ = take_snapshot(cache, engine.state, zero, size)
+        engine.state = restore_snapshot(engine.state, snap, zero)
+        size, n = size * 2, n + 2
+    return n
