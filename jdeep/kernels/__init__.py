@@ -4,8 +4,8 @@ point, `kernels.get(name)` (registry.py). Importing the package registers every 
 from __future__ import annotations
 
 from . import kv_record, kv_record_v41, quant, reference  # noqa: F401  (register the reference ops)
-from .registry import (bf16_weights_as_bits, get, implementation, pair_kernel_limit, register, registered,
-                       weight_format)
+from .registry import (bf16_weights_as_bits, fence_gemm_inputs, get, implementation, pair_kernel_limit, register,
+                       registered, weight_format)
 
 __all__ = ["register", "get", "registered", "implementation", "weight_format", "pair_kernel_limit",
-           "bf16_weights_as_bits"]
+           "bf16_weights_as_bits", "fence_gemm_inputs"]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from . import codecs
 from .registry import register
 
-__all__ = ["act_scale", "act_quant", "fp8_fake_quant", "fp4_fake_quant", "hadamard", "dequant_fp8", "dequant_fp4"]
+__all__ = ["act_scale", "act_quant", "fp8_fake_quant", "gemm_input", "written_out", "fp4_fake_quant", "hadamard", "dequant_fp8", "dequant_fp4"]
 
 ACT_AMAX_FLOOR = 1e-4                  # act_quant's floor on a block's max |x|
 FP4_AMAX_FLOOR = 6.0 * 2.0 ** -126     # Qfp4's floor
@@ -45,6 +45,24 @@ def fp8_fake_quant(x: jax.Array, block: int, fp8_max: float = codecs.E4M3FN_MAX)
     """x rounded through act_quant and dequantised, in x's dtype."""
     q, s = act_quant(x, block, fp8_max)
     return (_blocks(q, block) * s[..., None]).reshape(x.shape).astype(x.dtype)
+
+
+def written_out(x: jax.Array) -> jax.Array:
+    """x itself, as an array XLA writes to memory: a scatter of x's elements onto their own positions. XLA fuses
+    elementwise producers into their consumers, a dot's operand included; a scatter is not fused into what reads it
+    (an optimization_barrier would not do: XLA:CPU removes barriers before fusion)."""
+    flat = x.reshape(-1)
+    ids = jnp.arange(flat.shape[0], dtype=jnp.int32)
+    return jnp.zeros_like(flat).at[ids].set(flat, indices_are_sorted=True, unique_indices=True).reshape(x.shape)
+
+
+def gemm_input(x: jax.Array, numerics) -> jax.Array:
+    """The input of a quantized GEMM under `numerics`: fp8 act_quant (1 x act_block groups) when DeepSeek's numerics
+    run, else x; written out first where the platform fuses it into the product (Numerics.fence_gemm_inputs)."""
+    if numerics is None or not numerics.quantize_activations:
+        return x
+    xq = fp8_fake_quant(x, numerics.act_block, numerics.fp8_max)
+    return written_out(xq) if numerics.fence_gemm_inputs else xq
 
 
 @register("fp4_fake_quant")

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .linear import dequant, from_bits, linear_f32, stack_dims
-from .quant import dequant_fp8, fp8_fake_quant
+from .quant import dequant_fp8, gemm_input
 from .registry import register
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -149,9 +149,7 @@ def fp8_linear(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple[in
 # ---------------------------------------------------------------- MoE: routed experts, shared expert
 def _act(x: jax.Array, numerics, quantized: bool) -> jax.Array:
     """The GEMM input as DeepSeek's numerics see it: fp8 act_quant before a quantized weight."""
-    if quantized and numerics is not None and numerics.quantize_activations:
-        return fp8_fake_quant(x, numerics.act_block, numerics.fp8_max)
-    return x
+    return gemm_input(x, numerics) if quantized else x
 
 
 def _weights(w, select, numerics, dtype) -> jax.Array:

@@ -14,7 +14,7 @@ from typing import Callable
 import jax
 
 __all__ = ["register", "get", "registered", "implementation", "weight_format", "pair_kernel_limit",
-           "bf16_weights_as_bits"]
+           "bf16_weights_as_bits", "fence_gemm_inputs"]
 
 _IMPLS: dict[str, dict[str, Callable]] = {}
 _NEURON_LOADED = False
@@ -88,4 +88,12 @@ def bf16_weights_as_bits(backend: str | None = None) -> bool:
     made before the loop, at every step: the whole stacked weights converted and written out again (38x slower than
     float32 weights, docs/performance.md). A uint16 operand is sliced as it is; the layer (scan body) or the expert
     kernel bitcasts its slice back to bf16 (kernels.linear.from_bits), and the convert fuses into the product."""
+    return (backend or _backend()) == "cpu"
+
+
+def fence_gemm_inputs(backend: str | None = None) -> bool:
+    """Whether an act-quantised GEMM input is written out before its product on `backend` (default: JAX's).
+    XLA:CPU fuses the elementwise producers of a matrix-vector product's vector into its dot loop and evaluates them
+    again for every output row: the fp8 rounding in front of a [1, K] x [N, K]^T product then costs 8x the product
+    (docs/performance.md). quant.written_out stops that fusion; the values are the same."""
     return (backend or _backend()) == "cpu"

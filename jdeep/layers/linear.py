@@ -7,7 +7,7 @@ import jax
 
 from .. import kernels
 from ..kernels.linear import dequant, linear
-from ..kernels.quant import fp8_fake_quant
+from ..kernels.quant import gemm_input
 
 __all__ = ["dense"]
 
@@ -18,8 +18,7 @@ def dense(x: jax.Array, w, numerics) -> jax.Array:
     act-quantised (fp8, 1 x act_block groups). Returns x's dtype, fp32 accumulation."""
     if not isinstance(w, dict):
         return linear(x, w)
-    if numerics.quantize_activations:
-        x = fp8_fake_quant(x, numerics.act_block, numerics.fp8_max)
+    x = gemm_input(x, numerics)
     if "codes" in w:        # the block-fp8 GEMM hot op (jnp reference or NKI kernel)
         return kernels.get("fp8_linear")(x, w["codes"], w["scale"], numerics.weight_block, numerics.trn2_weights)
     return linear(x, dequant(w, numerics, x.dtype))
