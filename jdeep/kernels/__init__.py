@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from . import kv_record, kv_record_v41, quant, reference  # noqa: F401  (register the reference ops)
 from .registry import (bf16_weights_as_bits, fence_gemm_inputs, get, implementation, pair_kernel_limit, register,
-                       registered, weight_format)
+                       registered, skip_padding_tiles, weight_format)
 
 __all__ = ["register", "get", "registered", "implementation", "weight_format", "pair_kernel_limit",
-           "bf16_weights_as_bits", "fence_gemm_inputs"]
+           "bf16_weights_as_bits", "fence_gemm_inputs", "skip_padding_tiles"]

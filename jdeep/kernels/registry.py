@@ -14,7 +14,7 @@ from typing import Callable
 import jax
 
 __all__ = ["register", "get", "registered", "implementation", "weight_format", "pair_kernel_limit",
-           "bf16_weights_as_bits", "fence_gemm_inputs"]
+           "bf16_weights_as_bits", "fence_gemm_inputs", "skip_padding_tiles"]
 
 _IMPLS: dict[str, dict[str, Callable]] = {}
 _NEURON_LOADED = False
@@ -96,4 +96,13 @@ def fence_gemm_inputs(backend: str | None = None) -> bool:
     XLA:CPU fuses the elementwise producers of a matrix-vector product's vector into its dot loop and evaluates them
     again for every output row: the fp8 rounding in front of a [1, K] x [N, K]^T product then costs 8x the product
     (docs/performance.md). quant.written_out stops that fusion; the values are the same."""
+    return (backend or _backend()) == "cpu"
+
+
+def skip_padding_tiles(backend: str | None = None) -> bool:
+    """Whether the grouped MoE kernels loop over the used expert tiles only on `backend` (default: JAX's), a trip
+    count the routing decides, instead of all of the static tile count (N/tile + E, enough for any routing). The
+    tiles past the used ones hold padding rows only, whose products are zero and unread; at a 256-token prefill
+    chunk of 32 experts they are a quarter of the tiles (docs/performance.md). Neuron needs static trip counts
+    (neuron-notes S3), and XLA:GPU reads a while loop's predicate back to the host at every trip: CPU only."""
     return (backend or _backend()) == "cpu"
