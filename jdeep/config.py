@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["ConfigError", "YarnConfig", "RopeConfig", "SharingConfig", "EngramConfig", "DSparkConfig", "ModelConfig"]
+__all__ = ["ConfigError", "YarnConfig", "RopeConfig", "SharingConfig", "EngramConfig", "DSparkConfig", "VisionConfig",
+           "ModelConfig"]
 
 
 class ConfigError(ValueError):
@@ -104,6 +105,78 @@ class DSparkConfig:
     target_layer_ids: tuple[int, ...] = ()
 
 
+# HF vision_config key -> VisionConfig field; DeepSeek's ModelArgs spell them vision_<field> (config_formats strips
+# the prefix), with max_n_token for max_image_tokens.
+_VISION_KEYS = {"num_hidden_layers": "n_layers", "hidden_size": "dim", "num_attention_heads": "n_heads",
+                "intermediate_size": "inter_dim", "patch_size": "patch_size", "rope_theta": "rope_theta",
+                "downsample_ratio": "downsample_ratio", "max_image_tokens": "max_tokens", "min_pixels": "min_pixels",
+                "max_wh_ratio": "max_wh_ratio", "max_n_token": "max_tokens"}
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """V4.1's vision tower (model-spec.md §5.9): a ViT of `n_layers` blocks over patch_size² RGB patches and a
+    downsample_ratio² aligner into the text model. Defaults are DeepSeek's ModelArgs. An image span counts at most
+    `max_tokens` positions (delimiters included); smaller images are scaled up to `min_pixels`; `max_wh_ratio`
+    (None in V4.1) makes wider images stretch instead of pad. `norm_eps` is the ViT's RMSNorm epsilon (not in
+    config.json)."""
+
+    n_layers: int = 32
+    dim: int = 1024
+    n_heads: int = 16
+    inter_dim: int = 2816
+    patch_size: int = 14
+    rope_theta: float = 10000.0
+    downsample_ratio: int = 3
+    max_tokens: int = 1024
+    min_pixels: int = 544 * 544
+    max_wh_ratio: float | None = None
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "dim", "n_heads", "inter_dim", "patch_size", "downsample_ratio", "max_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"vision_config.{name} must be a positive integer, got {v!r}")
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 4:
+            raise ConfigError(f"vision_config: hidden_size {self.dim} over {self.n_heads} heads must give a head "
+                              "size divisible by 4 (its 2-D RoPE splits it into row and column halves)")
+        if self.max_tokens < 4:
+            raise ConfigError(f"vision_config.max_image_tokens must be >= 4 (one image row), got {self.max_tokens}")
+        if isinstance(self.min_pixels, bool) or not isinstance(self.min_pixels, int) or self.min_pixels < 0:
+            raise ConfigError(f"vision_config.min_pixels must be an integer >= 0, got {self.min_pixels!r}")
+        for name in ("rope_theta", "norm_eps") + (("max_wh_ratio",) if self.max_wh_ratio is not None else ()):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"vision_config.{name} must be a positive finite number, got {v!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def patch_values(self) -> int:
+        """Values of one flattened patch: 3 channels x patch_size²."""
+        return 3 * self.patch_size ** 2
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> "VisionConfig":
+        """From an HF `vision_config` object or DeepSeek's ModelArgs fields without their `vision_` prefix."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        args = {}
+        for k, v in raw.items():
+            key = _VISION_KEYS.get(k, k)
+            if key in names and v is not None or key == "max_wh_ratio":
+                args[key] = v
+        return cls(**args)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF `vision_config` object that from_mapping reads back to an equal config."""
+        out = {"model_type": "deepseek_v41_vision"}
+        out.update({hf: getattr(self, f) for hf, f in _VISION_KEYS.items() if hf != "max_n_token"})
+        return out
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """One DeepSeek-V4 model's architecture. Sizes are per backbone layer unless stated.
@@ -151,7 +224,7 @@ class ModelConfig:
     dspark: DSparkConfig | None = None
     gate_temp: float = 1.0
     image_token_id: int | None = None
-    vision: Mapping[str, Any] | None = field(default=None, compare=False)
+    vision: VisionConfig | None = field(default=None, compare=False)   # the text programs do not depend on it
 
     def __post_init__(self) -> None:
         self._validate()
@@ -247,6 +320,10 @@ class ModelConfig:
                 v = getattr(sh, name)
                 if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                     raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if self.vision is not None and not (isinstance(self.image_token_id, int) and not isinstance(
+                self.image_token_id, bool) and 0 <= self.image_token_id < self.vocab_size):
+            raise ConfigError(f"a config with a vision tower needs image_token_id in [0, {self.vocab_size}), got "
+                              f"{self.image_token_id!r}")
         e = self.engram
         if e is not None:
             if list(e.layer_ids) != sorted(set(e.layer_ids)) or any(not 0 <= i < n for i in e.layer_ids):

@@ -18,7 +18,7 @@ import warnings
 from typing import Any, Mapping
 
 from .config import (AttentionKind, ConfigError, DSparkConfig, EngramConfig, ModelConfig, RopeConfig, SharingConfig,
-                     YarnConfig, register_formats)
+                     VisionConfig, YarnConfig, register_formats)
 from .config_json import config_to_dict
 
 __all__ = ["parse_config", "load_config"]
@@ -325,9 +325,10 @@ def _v41_fields(raw: dict[str, Any]) -> dict[str, Any]:
     if vision is not None and not isinstance(vision, Mapping):
         raise ConfigError(f"vision_config must be an object, got {vision!r}")
     if vision is not None and not vision.get("num_hidden_layers", vision.get("n_layers", 1)):
-        vision = None
+        vision = None   # DeepSeek's ModelArgs: vision_n_layers 0 means no tower
     return dict(sharing=sharing, engram=engram, dspark=dspark, gate_temp=_opt(raw, "gate_temp", 1.0, float),
-                image_token_id=raw.get("image_token_id"), vision=dict(vision) if vision else None)
+                image_token_id=raw.get("image_token_id"),
+                vision=VisionConfig.from_mapping(vision) if vision else None)
 
 
 def parse_config(raw: Mapping[str, Any]) -> ModelConfig:

@@ -89,7 +89,7 @@ def _v41_dict(config: ModelConfig, d: dict[str, Any], ratios: list[int]) -> dict
     if config.image_token_id is not None:
         out["image_token_id"] = config.image_token_id
     if config.vision is not None:
-        out["vision_config"] = dict(config.vision)
+        out["vision_config"] = config.vision.to_hf()
     if config.quantization is not None:
         out["quantization_config"] = dict(config.quantization)
     return out

@@ -124,11 +124,13 @@ def one_layer_config(**overrides: Any) -> dict[str, Any]:
                 **overrides)
 
 
-def tiny_v41_config(engram_vocab_size: int = 400, quantized: bool = True) -> dict[str, Any]:
+def tiny_v41_config(engram_vocab_size: int = 400, quantized: bool = True, vision: bool = False) -> dict[str, Any]:
     """A small DeepSeek-V4.1 HF config with every V4.1 layer kind: sliding, ratio-2 and ratio-1 KV sources,
     layers reusing a top-k, index sources, the candidate source and a restricted index source, two Engram
     layers. Its tokenizer (write_word_tokenizer) has one class per id, so the compressed vocab is the vocab.
-    The Engram tables' rows follow from engram_vocab_size (the hash primes)."""
+    The Engram tables' rows follow from engram_vocab_size (the hash primes). `vision`: with a tiny vision tower
+    (2 ViT blocks of width 32 over 4x4-pixel patches, the real 3x3 aligner, spans of at most 64 positions, images
+    scaled up to 24x24 pixels) and image_token_id 509."""
     vocab, layers, max_ngram, heads = 512, [1, 4], 3, 4
     rows = EngramLayout.create(layers, max_ngram, heads, engram_vocab_size, vocab, 0).table_rows
     text = {
@@ -151,6 +153,12 @@ def tiny_v41_config(engram_vocab_size: int = 400, quantized: bool = True) -> dic
     if quantized:
         raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                       "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+    if vision:
+        raw["image_token_id"] = vocab - 3
+        raw["vision_config"] = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 2, "hidden_size": 32,
+                                "num_attention_heads": 2, "intermediate_size": 48, "patch_size": 4,
+                                "rope_theta": 10000, "downsample_ratio": 3, "max_image_tokens": 64,
+                                "min_pixels": 24 * 24, "max_wh_ratio": None}
     return raw
 
 

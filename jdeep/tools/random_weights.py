@@ -19,6 +19,7 @@ from ..kernels import codecs
 from ..param_spec import (F32, FP4, FP8, FP8_DEQUANT, INDEX, TensorSpec, dspark_extra_specs, dspark_stage_specs,
                           engram_table_specs, layer_specs, mtp_specs, top_specs)
 from ..plan import layer_kinds, mtp_depths
+from ..vision.params import random_vision_tensors
 from ..presets import TINY_CONFIG, deep_tiny_config, one_layer_config, tiny_v41_config
 
 __all__ = ["TINY_CONFIG", "deep_tiny_config", "one_layer_config", "tiny_v41_config", "random_tensor", "random_checkpoint",
@@ -108,7 +109,7 @@ def random_checkpoint(config: ModelConfig | dict, folder: str, seed: int = 0, dt
     quantization_config gets DeepSeek's fp8/fp4 tensors (uint8 codes with e8m0 scales), as released.
 
     With n_shards > 1 the tensors are split over several files plus model.safetensors.index.json.
-    V4.1 models with Engram also get a tokenizer.json (write_word_tokenizer) and their Engram tables in
+    V4.1 models with a vision tower get its tensors (vision.params). V4.1 models with Engram also get a tokenizer.json (write_word_tokenizer) and their Engram tables in
     `engram.safetensors`; with `sparse_engram` the tables are holes of a sparse file (zeros, no disk space).
     """
     if isinstance(config, dict):
@@ -128,6 +129,9 @@ def random_checkpoint(config: ModelConfig | dict, folder: str, seed: int = 0, dt
         if dtype == "bfloat16" and spec.kind not in (F32, INDEX):
             t = t.astype(ml_dtypes.bfloat16)
         tensors[name] = t
+    if config.vision is not None:             # V4.1 with its vision tower: vision.*, aligner.*, image_* (float)
+        for name, t in random_vision_tensors(rng, config).items():
+            tensors[name] = t.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else t
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
         json.dump(raw, f, indent=2)
     extra_files = {}
