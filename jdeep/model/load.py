@@ -24,6 +24,7 @@ from ..param_spec import abstract_params, padded_experts
 from ..plan import build_plan
 from ..sharding import Layout, make_mesh
 from .model import Model, as_jax_dtype
+from .vision import PLACEMENTS, VisionTower
 from .weights import WEIGHT_FORMATS, decode_weights, resident_bytes, to_cpu_bf16
 
 __all__ = ["load"]
@@ -32,7 +33,7 @@ __all__ = ["load"]
 def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: bool | None = None,
          fp8_max: float | None = None, packed_kv: bool = False, progress: bool = False,
          compile_mode: str | None = None, host_embedding: bool = False, pack_params: bool | None = None,
-         mesh=None, mtp: bool = False, weights: str | None = None) -> Model:
+         mesh=None, mtp: bool = False, weights: str | None = None, vision_placement: str | None = None) -> Model:
     """Load a DeepSeek-V4 checkpoint folder (HF layout: config.json + safetensors) or a folder written
     by `jdeep convert` (Orbax).
 
@@ -68,6 +69,9 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     per weight, no decode per step); default: the platform's (kernels.weight_format: codes on Neuron, whose NKI
     GEMMs read codes, decoded on CPU and GPU unless the decoded weights would fill more than half of a device's
     memory). model/weights.py.
+    vision_placement: where a DeepSeek-V4.1 checkpoint's vision tower runs (model/vision.py): "host" (the host CPU
+    device; only the image rows reach the model's device) or "device"; default host on Neuron, else device. It
+    becomes `model.vision` (None without a vision_config).
     The folder's tokenizer.json, if any, becomes `model.tokenizer` (text prompts and stop strings).
     On Neuron, load also sets the compiler's environment (platform.configure_neuron).
     """
@@ -138,8 +142,16 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         except RuntimeError:
             warnings.warn("no CPU backend (JAX_PLATFORMS excludes cpu): sampling runs on the Neuron device, whose "
                           "threefry RNG is incomplete; set JAX_PLATFORMS=neuron,cpu")
+    vision = None
+    if config.vision is not None:
+        if convert.is_converted(path):
+            raise ValueError(f"{path}: converted (Orbax) folders hold no vision tower; load the original checkpoint")
+        placement = vision_placement or ("host" if plat.is_neuron else "device")
+        vision = VisionTower.load(path, config, jdtype, placement, device)
+    elif vision_placement is not None and vision_placement not in PLACEMENTS:
+        raise ValueError(f"vision_placement must be one of {', '.join(PLACEMENTS)}, got {vision_placement!r}")
     return Model(config, plan, params, jdtype, numerics, engram, tokenizer, compile_mode=mode, host_embed=host_embed,
-                 sampler_device=sampler_device, layout=layout)
+                 sampler_device=sampler_device, layout=layout, vision=vision)
 
 
 def _load_sharded(path: str, config, plan, jdtype, numerics, layout, progress: bool) -> dict:

@@ -66,8 +66,9 @@ def compiled_rows_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics,
 
 class HostEmbedStep:
     """A step whose token embedding is gathered on the host: `step(params, state, tokens, positions,
-    engram=None)` looks tokens up in `table` (numpy [V, d]) and passes the rows to the device step as
-    `embeds`, so the device holds no embedding table. Tokens are fetched to the host (a sync per step)."""
+    engram=None, embeds=None)` looks tokens up in `table` (numpy [V, d]) and passes the rows to the device step as
+    `embeds` (unless given: a chunk with image rows, model/vision.py), so the device holds no embedding table.
+    Tokens are fetched to the host (a sync per step)."""
 
     def __init__(self, step: Callable, table: np.ndarray):
         self.step, self.table = step, table
@@ -76,8 +77,9 @@ class HostEmbedStep:
         ids = np.clip(np.asarray(tokens), 0, self.table.shape[0] - 1)
         return jnp.asarray(self.table[ids])
 
-    def __call__(self, params, state, tokens, positions, engram=None, **window):
-        return self.step(params, state, tokens, positions, engram, self.embeds(tokens), **window)
+    def __call__(self, params, state, tokens, positions, engram=None, embeds=None, **window):
+        embeds = self.embeds(tokens) if embeds is None else embeds
+        return self.step(params, state, tokens, positions, engram, embeds, **window)
 
 
 @dataclass
@@ -101,6 +103,7 @@ class Model:
     host_embed: Any = None
     sampler_device: Any = None   # where sampling runs (None: with the model; on Neuron the CPU backend)
     layout: Any = None           # jdeep.sharding.Layout of a model sharded over a device mesh
+    vision: Any = None           # jdeep.model.vision.VisionTower of a V4.1 checkpoint with a vision tower
 
     def __post_init__(self):
         if self.compile_mode not in COMPILE_MODES:

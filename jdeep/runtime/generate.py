@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..model.model import Model
+from ..model.vision import chunk_embeds
 from ..speculative.config import parse_speculative
 from ..speculative.dspark_decode import dspark_generate
 from ..speculative.mtp_decode import mtp_generate
-from .requests import check_request, prompt_ids
+from .images import expand_image_prompt, is_image_prompt
+from .requests import RequestError, check_request, prompt_ids
 from .sampling import PenaltyState, SamplingParams, batch_params
 from .slot_sampling import SPECULATIVE_UNSUPPORTED, chunk_prompt_logprobs, logprob_entries, refuse_unsupported
 from .steps import (batch_bucket, count_tokens, decode_block, first_done, length_bucket, pack_chunk, run_step,
@@ -37,10 +39,12 @@ class GenerateOutput:
 
 
 def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: int = 512,
-            history=None, scored: dict[int, int] | None = None) -> tuple[jax.Array, dict]:
+            history=None, scored: dict[int, int] | None = None, images: list | None = None
+            ) -> tuple[jax.Array, dict]:
     """Run every prompt (row b of the batch; extra rows stay empty) through the model in chunks.
     `history`: the batch's Engram histories (models with Engram; advanced in place). scored: row -> top N for
-    the rows whose prompt logprobs are wanted (the chunks then run the all-positions step).
+    the rows whose prompt logprobs are wanted (the chunks then run the all-positions step). images: per prompt its
+    image spans [(start, rows)] (runtime.images); a chunk holding span positions gets their rows as embeddings.
 
     Returns (logits fp32 [B, V] at each prompt's last token, state), and with `scored` a third value: row -> its
     prompt logprob entries (None for the first prompt token)."""
@@ -50,7 +54,8 @@ def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: in
     entries = {b: [None] for b in scored or {}}
     for start in range(0, int(lens.max()), chunk_size):
         toks, pos, _ = pack_chunk(prompts, [start] * len(prompts), B, chunk_size)
-        logits, state = run_step(model, state, toks, pos, history, all_logits=bool(scored))
+        embeds = chunk_embeds(model, toks, pos, images) if images and any(images) else None
+        logits, state = run_step(model, state, toks, pos, history, all_logits=bool(scored), embeds=embeds)
         if scored:
             logits, chunk_entries = chunk_prompt_logprobs(
                 model, logits, pos, {b: (prompts[b], start, n) for b, n in scored.items() if lens[b] > start})
@@ -75,12 +80,15 @@ def _sampling_for(n: int, sampling, max_new_tokens: int, temperature: float, see
     return sampling
 
 
-def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_tokens: int = 16, temperature: float = 0.0,
+def generate(model: Model, prompts: Sequence[Sequence[int] | str | Mapping], max_new_tokens: int = 16,
+             temperature: float = 0.0,
              return_logits: bool = False, seed: int = 0, prefill_chunk: int = 512,
              sampling: SamplingParams | Sequence[SamplingParams] | None = None, ignore_eos: bool = False,
              stream: Callable[[list[list[int]]], None] | None = None, stream_every: int = 16,
              tokenizer=None, speculative: dict | None = None) -> GenerateOutput:
-    """Generate after each prompt of a ragged batch of token-id lists or strings.
+    """Generate after each prompt of a ragged batch of token-id lists, strings, or (DeepSeek-V4.1 with its vision
+    tower) {"text": ..., "images": [PIL image | path | bytes | data URL]} (runtime.images: the text's
+    `<｜deepseek_image｜>` placeholders mark where the images go, else they come first).
 
     sampling: one SamplingParams for every prompt or one per prompt (temperature, top-k, top-p, min-p,
     seed, max_new_tokens, stop_token_ids, stop strings, logit_bias, presence / frequency / repetition penalties,
@@ -112,6 +120,12 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     if stream_every < 1:
         raise ValueError(f"stream_every must be positive, got {stream_every}")
     eos = None if ignore_eos else model.config.eos_token_id
+    prompts, images = list(prompts), [[] for _ in prompts]
+    for i, pr in enumerate(prompts):
+        if is_image_prompt(pr):
+            prompts[i], images[i] = expand_image_prompt(model, pr, tokenizer, i)
+    if speculative is not None and any(images):
+        raise RequestError("prompts with images are not supported with speculative decoding yet", "speculative")
     requests = [check_request(pr, p, vocab_size=model.config.vocab_size, tokenizer=tokenizer, eos=eos,
                               max_len=model.config.max_position_embeddings, limit_name="max_position_embeddings",
                               index=i)
@@ -132,7 +146,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     state = model.init_state(Bb, max_len)
     history = model.new_history(Bb)
     scored = {b: p.prompt_logprobs for b, p in enumerate(params) if p.prompt_logprobs is not None}
-    first, state, prompt_lps = prefill(model, state, prompts, prefill_chunk, history, scored)
+    first, state, prompt_lps = prefill(model, state, prompts, prefill_chunk, history, scored, images)
 
     width = max(1, max(len(r.stop_ids) for r in requests))
     stops = np.full((Bb, width), -1, np.int32)

@@ -58,18 +58,21 @@ def pack_chunk(prompts: Sequence[np.ndarray | None], done: Sequence[int], rows: 
 
 
 def run_step(model: Model, state: dict, tokens, positions, history=None, *, engram: tuple | None = None,
-             rows: int | None = None, start: int | None = None, all_logits: bool = False) -> tuple[jax.Array, dict]:
+             rows: int | None = None, start: int | None = None, all_logits: bool = False,
+             embeds: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """One model step from host (or device) tokens / positions int32 [B, S] (positions -1 = padding): the Engram
     rows gathered for them (advancing `history`) unless `engram` is given, the inputs placed, the step run (state
     donated). With `rows`, only a window of the state's slots: the first `rows`, or [start, start + rows) (one
-    program for every start). Returns (logits fp32, state)."""
+    program for every start). embeds: the chunk's input embeddings [B, S, d] when they are not the token table's
+    (image spans: model.vision.chunk_embeds). Returns (logits fp32, state)."""
     if engram is None:
         engram = model.engram_inputs(history, tokens, positions)
     step = model.step_fn(all_logits=all_logits, rows=rows)
+    extra = () if embeds is None else (embeds,)
     if rows is not None and start is not None:
-        return step(model.params, state, model.put(tokens), model.put(positions), engram,
+        return step(model.params, state, model.put(tokens), model.put(positions), engram, *extra,
                     start=model.put(np.int32(start)))
-    return step(model.params, state, model.put(tokens), model.put(positions), engram)
+    return step(model.params, state, model.put(tokens), model.put(positions), engram, *extra)
 
 
 def count_tokens(pen: PenaltyState | None, tokens: jax.Array) -> PenaltyState | None:
