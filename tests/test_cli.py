@@ -160,6 +160,33 @@ def test_chat_streams_the_reply(tmp_path, monkeypatch, capsys):
     assert printed.strip() == tok.decode(out.tokens[0, :out.lengths[0]]).strip() != ""
 
 
+def test_chat_with_an_image(tmp_path, monkeypatch, capsys):
+    """`jdeep chat --image PATH` on a tiny V4.1 with a vision tower answers as jdeep.generate does for the same
+    image part; `/image` with a bad file is reported and the chat goes on."""
+    import io
+
+    from PIL import Image
+
+    from jdeep.io.chat import FORMATS, encode_chat
+    from jdeep.presets import tiny_v41_config
+
+    random_checkpoint(tiny_v41_config(vision=True), str(tmp_path), seed=2)
+    image = tmp_path / "img.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)).save(image)
+    monkeypatch.setattr("sys.stdin", io.StringIO("/image /nonexistent.png\ntok5 tok9\n/exit\n"))
+    assert main(["chat", "--model", str(tmp_path), "--image", str(image), "--temperature", "0",
+                 "--max-new-tokens", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "[image not attached: cannot read image '/nonexistent.png'" in printed
+    model = jdeep.load(tmp_path)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
+                                             {"type": "text", "text": "tok5 tok9"}]}]
+    out = jdeep.generate(model, [{"text": encode_chat(FORMATS["v41"], messages), "images": [str(image)]}],
+                         max_new_tokens=4)
+    reply = model.tokenizer.decode(out.tokens[0, :out.lengths[0]], skip_special_tokens=False).strip()
+    assert reply and printed.split("]", 1)[1].strip() == reply
+
+
 def test_serve_answers_with_the_api_key_and_stops_on_sigterm(tmp_path):
     """`jdeep serve` in its own process: warmup, /health, 401 without the key, a completion, SIGTERM -> clean exit."""
     import os

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--system", help="system prompt")
     ch.add_argument("--thinking", action="store_true", help="open each reply in thinking mode (<think>)")
     ch.add_argument("--chat-format", choices=sorted(FORMATS), help="DeepSeek chat layout (default: from the config)")
+    ch.add_argument("--image", action="append", default=[], metavar="PATH",
+                    help="an image for the first message (DeepSeek-V4.1 with a vision tower; repeatable); in the "
+                         "chat, '/image PATH' attaches one to the next message")
     add_sampling_args(ch, max_new_tokens=512, temperature=0.7, top_p=0.95)
     add_speculative_arg(ch)
     add_load_args(ch, "dtype", *RUNTIME)

@@ -42,8 +42,11 @@ LOAD_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "mesh": ("--mesh", dict(help="shard the model over a device mesh, e.g. 'data=2,expert=4' or 'tensor=2,expert=4' "
                                  "(axes data, tensor, expert; the sizes multiply to the device count of all "
                                  "processes)")),
+    "vision_placement": ("--vision-placement", dict(
+        choices=["host", "device"], help="where a DeepSeek-V4.1 vision tower runs: the host CPU or the model's device "
+                                         "(default: host on Neuron, else device)")),
 }
-RUNTIME = ("compile_mode", "host_embedding", "mesh")
+RUNTIME = ("compile_mode", "host_embedding", "mesh", "vision_placement")
 
 
 def add_load_args(p: argparse.ArgumentParser, *names: str, **overrides: dict[str, Any]) -> None:

@@ -40,7 +40,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -48,6 +48,7 @@ import numpy as np
 from ..model.cache import PROGRAMS
 from ..model.model import Model
 from ..state import move_slot, reset_slots
+from .images import ImagePrompt, split_images
 from .prefix_cache import PrefixStats
 from .prefix_snapshot import admit_cached, cut_at_targets, prefix_cache_for, snapshot_prefills
 from .requests import Request, RequestError, RequestOutput, check_request
@@ -68,6 +69,7 @@ class Engine:
     """engine = Engine(model, max_num_seqs=8); engine.add_request(ids, SamplingParams(...)); engine.run()."""
 
     unsupported: tuple[tuple[str, object], ...] = ()    # SamplingParams fields this engine takes only "off"
+    images_unsupported: bool = False                     # engines whose steps do not take image embeddings
 
     def __init__(self, model: Model, max_num_seqs: int = 8, max_len: int = 2048, prefill_chunk: int = 256,
                  seed: int = 0, ignore_eos: bool = False, tokenizer=None, max_num_batched_tokens: int | None = None,
@@ -114,16 +116,18 @@ class Engine:
         self.totals = {"iterations": 0, "decode_tokens": 0, "prefill_tokens": 0, "slot_moves": 0}
 
     # ------------------------------------------------------------------ requests
-    def check_request(self, prompt: Sequence[int] | str, sampling: SamplingParams | None = None) -> Request:
+    def check_request(self, prompt: Sequence[int] | str | Mapping | ImagePrompt,
+                      sampling: SamplingParams | None = None) -> Request:
         """Validate a request without queueing it (requests.check_request against this engine's max_len): the
-        Request, or RequestError naming the problem. Reads only the model's config and tokenizer: safe to call from
-        another thread."""
+        Request, or RequestError naming the problem. A {"text", "images"} prompt runs the vision tower here
+        (runtime.images). Reads only the model's config, tokenizer and tower: safe to call from another thread."""
+        prompt, images = split_images(self.model, prompt, self.tokenizer, self.images_unsupported and type(self).__name__)
         request = check_request(prompt, sampling, vocab_size=self.model.config.vocab_size, max_len=self.max_len,
                                 tokenizer=self.tokenizer, eos=self.eos, limit_name="the engine's max_len")
         refuse_unsupported(request.params, self.unsupported, type(self).__name__)
-        return request
+        return dataclasses.replace(request, images=images) if images else request
 
-    def add_request(self, prompt: Sequence[int] | str | Request, sampling: SamplingParams | None = None,
+    def add_request(self, prompt: Sequence[int] | str | Mapping | Request, sampling: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request (token ids, text with a tokenizer, or a Request from check_request, taken as validated);
         returns its id. An invalid request is finished at once with an error. A request_id already in use is a
@@ -131,7 +135,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.outputs:
             raise ValueError(f"request id {rid!r} is already in use")
-        out = RequestOutput(rid, as_ids(prompt.ids if isinstance(prompt, Request) else prompt))
+        out = RequestOutput(rid, as_ids(prompt.ids if isinstance(prompt, (Request, ImagePrompt)) else prompt))
         self.outputs[rid] = out
         self._n_added += 1
         try:
@@ -294,15 +298,13 @@ class Engine:
         """Sampling values on the host: a bucket's rows are a numpy slice, not a device program."""
         return SamplingBatch(*(np.asarray(a) for a in batch_params(params, len(params), stop_ids=stop_ids)))
 
-    def _run(self, toks: np.ndarray, pos: np.ndarray, window: Window, all_logits: bool = False) -> jax.Array:
-        """One step program over `window` (toks, pos: int32 [window.rows, S]); returns logits [window.rows, V]
-        ([window.rows, S, V] with all_logits)."""
+    def _run(self, toks: np.ndarray, pos: np.ndarray, window: Window, all_logits: bool = False, images=None) -> jax.Array:
+        """One step program over `window` (toks, pos: int32 [window.rows, S]; images: its rows' image spans, run_step);
+        returns logits [window.rows, V] ([window.rows, S, V] with all_logits)."""
         self.steps_per_bucket[window.rows] = self.steps_per_bucket.get(window.rows, 0) + 1
-        if window.rows == self.n_slots:
-            logits, self.state = run_step(self.model, self.state, toks, pos, self.history, all_logits=all_logits)
-        else:
-            logits, self.state = run_step(self.model, self.state, toks, pos, self.history, rows=window.rows,
-                                          start=window.start, all_logits=all_logits)
+        part = {} if window.rows == self.n_slots else {"rows": window.rows, "start": window.start}
+        logits, self.state = run_step(self.model, self.state, toks, pos, self.history, all_logits=all_logits,
+                                      images=images, **part)
         return logits
 
     def _window_rows(self, w: Window) -> SamplingBatch:     # the window's sampling rows (host arrays)
@@ -407,7 +409,8 @@ class Engine:
         w, scored = it.prefill_window, [i for i in it.prefill if self.slots[i].params.prompt_logprobs is not None]
         first = {i: self.slots[i].prefilled for i in scored}
         toks, pos, ended = self._take_chunk(it)
-        logits = self._run(toks, pos, w, all_logits=bool(scored))        # [rows, S, V] for prompt logprobs
+        spans = [self.slots[i].request.images if i in it.prefill else () for i in range(w.start, w.start + w.rows)]
+        logits = self._run(toks, pos, w, all_logits=bool(scored), images=spans)   # [rows, S, V] for prompt logprobs
         snapshot_prefills(self, it.prefill)
         if not scored:
             return self._emit(logits, w, ended)

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..model.model import Model
-from ..model.vision import chunk_embeds
 from ..speculative.config import parse_speculative
 from ..speculative.dspark_decode import dspark_generate
 from ..speculative.mtp_decode import mtp_generate
@@ -54,8 +53,7 @@ def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: in
     entries = {b: [None] for b in scored or {}}
     for start in range(0, int(lens.max()), chunk_size):
         toks, pos, _ = pack_chunk(prompts, [start] * len(prompts), B, chunk_size)
-        embeds = chunk_embeds(model, toks, pos, images) if images and any(images) else None
-        logits, state = run_step(model, state, toks, pos, history, all_logits=bool(scored), embeds=embeds)
+        logits, state = run_step(model, state, toks, pos, history, all_logits=bool(scored), images=images)
         if scored:
             logits, chunk_entries = chunk_prompt_logprobs(
                 model, logits, pos, {b: (prompts[b], start, n) for b, n in scored.items() if lens[b] > start})
@@ -123,7 +121,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str | Mapping], max
     prompts, images = list(prompts), [[] for _ in prompts]
     for i, pr in enumerate(prompts):
         if is_image_prompt(pr):
-            prompts[i], images[i] = expand_image_prompt(model, pr, tokenizer, i)
+            ip = expand_image_prompt(model, pr, tokenizer, i)
+            prompts[i], images[i] = list(ip.ids), list(ip.spans)
     if speculative is not None and any(images):
         raise RequestError("prompts with images are not supported with speculative decoding yet", "speculative")
     requests = [check_request(pr, p, vocab_size=model.config.vocab_size, tokenizer=tokenizer, eos=eos,

@@ -9,6 +9,7 @@ tokenizer revisions).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..io.chat.formats import IMAGE as IMAGE_PLACEHOLDER
@@ -17,16 +18,28 @@ from ..model.vision import ImageSpan
 from ..vision.processor import MAX_IMAGES, ImageError
 from .requests import RequestError
 
-__all__ = ["IMAGE_PLACEHOLDER", "expand_image_prompt", "is_image_prompt"]
+__all__ = ["IMAGE_PLACEHOLDER", "ImagePrompt", "expand_image_prompt", "is_image_prompt", "split_images"]
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """An expanded prompt with images: ids (image spans as image_token_id runs) and spans ((start, rows)); the
+    tower has run."""
+
+    ids: tuple[int, ...]
+    spans: tuple[ImageSpan, ...]
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 def is_image_prompt(prompt: Any) -> bool:
+    """Whether `prompt` is a {"text", "images"} prompt (not yet expanded)."""
     return isinstance(prompt, Mapping)
 
 
-def expand_image_prompt(model: Model, prompt: Mapping, tokenizer, index: int = 0
-                        ) -> tuple[list[int], list[ImageSpan]]:
-    """(token ids, [(span start, rows [n, D])]) of a {"text": str, "images": [PIL image | path | bytes | data URL]}
+def expand_image_prompt(model: Model, prompt: Mapping, tokenizer, index: int = 0) -> ImagePrompt:
+    """The ImagePrompt (token ids, [(span start, rows [n, D])]) of a {"text": str, "images": [PIL image | path | bytes | data URL]}
     prompt; RequestError naming prompt `index` for a model without a vision tower, a text without a tokenizer,
     a placeholder count that does not match the images, more than MAX_IMAGES images, or a bad image."""
     unknown = set(prompt) - {"text", "images"}
@@ -65,5 +78,19 @@ def expand_image_prompt(model: Model, prompt: Mapping, tokenizer, index: int = 0
             ids += [model.config.image_token_id] * len(rows)
     if not ids:
         raise RequestError(f"prompt {index} is empty", "prompt")
-    return ids, spans
+    return ImagePrompt(tuple(ids), tuple(spans))
 
+
+
+def split_images(model: Model, prompt: Any, tokenizer, refuse: str | bool = False
+                 ) -> tuple[Any, tuple[ImageSpan, ...]]:
+    """(the prompt as token ids or as given, its image spans): a {"text", "images"} prompt is expanded here (the
+    tower runs), an ImagePrompt split; any other prompt comes back unchanged with no spans. refuse: the name of an
+    engine that takes no images (a RequestError for a prompt with images)."""
+    if (is_image_prompt(prompt) or isinstance(prompt, ImagePrompt)) and refuse:
+        raise RequestError(f"{refuse} does not take prompts with images yet", "prompt")
+    if is_image_prompt(prompt):
+        prompt = expand_image_prompt(model, prompt, tokenizer)
+    if isinstance(prompt, ImagePrompt):
+        return list(prompt.ids), prompt.spans
+    return prompt, ()

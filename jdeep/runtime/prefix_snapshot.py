@@ -92,6 +92,8 @@ def admit_cached(engine, slots: list[int]) -> None:
     for i in slots:
         s = engine.slots[i]
         ids = s.request.ids
+        if s.request.images:      # an image span's positions all hold image_token_id: cache the text before it only
+            ids = ids[:s.request.images[0][0]]
         chain = cache.chain(ids)
         if s.params.prompt_logprobs is None:
             n, snap = cache.lookup(ids, chain)

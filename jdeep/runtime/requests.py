@@ -29,11 +29,13 @@ class RequestError(ValueError):
 @dataclass(frozen=True)
 class Request:
     """A validated request: ids int32 [T] (the prompt), its sampling params, and stop_ids, the token ids that end
-    it (its stop_token_ids, then the model's EOS unless ignored)."""
+    it (its stop_token_ids, then the model's EOS unless ignored); images: its image spans (start, rows [n, D]) in
+    the prompt (runtime.images; the span positions hold image_token_id)."""
 
     ids: np.ndarray
     params: SamplingParams
     stop_ids: tuple[int, ...]
+    images: tuple = ()
 
 
 @dataclass

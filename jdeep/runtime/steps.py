@@ -18,6 +18,7 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from ..model.model import Model
+from ..model.vision import chunk_embeds
 from .sampling import PenaltyState, sample, sample_logprobs
 
 __all__ = ["MIN_BUCKET", "length_bucket", "batch_bucket", "pack_chunk", "run_step", "decode_block", "first_done",
@@ -59,14 +60,15 @@ def pack_chunk(prompts: Sequence[np.ndarray | None], done: Sequence[int], rows: 
 
 def run_step(model: Model, state: dict, tokens, positions, history=None, *, engram: tuple | None = None,
              rows: int | None = None, start: int | None = None, all_logits: bool = False,
-             embeds: jax.Array | None = None) -> tuple[jax.Array, dict]:
+             images=None) -> tuple[jax.Array, dict]:
     """One model step from host (or device) tokens / positions int32 [B, S] (positions -1 = padding): the Engram
     rows gathered for them (advancing `history`) unless `engram` is given, the inputs placed, the step run (state
     donated). With `rows`, only a window of the state's slots: the first `rows`, or [start, start + rows) (one
-    program for every start). embeds: the chunk's input embeddings [B, S, d] when they are not the token table's
-    (image spans: model.vision.chunk_embeds). Returns (logits fp32, state)."""
+    program for every start). images: per row its image spans (start, rows) (runtime.images); a chunk holding span
+    positions gets their rows as input embeddings (model.vision.chunk_embeds). Returns (logits fp32, state)."""
     if engram is None:
         engram = model.engram_inputs(history, tokens, positions)
+    embeds = chunk_embeds(model, np.asarray(tokens), np.asarray(positions), images) if images and any(images) else None
     step = model.step_fn(all_logits=all_logits, rows=rows)
     extra = () if embeds is None else (embeds,)
     if rows is not None and start is not None:

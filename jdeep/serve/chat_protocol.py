@@ -12,8 +12,9 @@ whose prompt is DeepSeek's chat encoding (io/chat) and whose `chat` plan tells t
 - The reply is decoded with special tokens kept (`</think>` and the DSML tags are special tokens in DeepSeek's
   tokenizer) and parsed by io/chat.ReplyParser into reasoning_content, content and tool_calls.
 - logprobs (bool) / top_logprobs (0..20): every generated token's logprob (reasoning tokens included).
-- Image parts are refused (400) until the V4.1 vision tower runs: io/chat encodes them as V4.1's placeholder, but
-  the prompt would then hold placeholders without image features.
+- Images (DeepSeek-V4.1 with its vision tower): `image_url` content parts of user and tool messages, as `data:`
+  URLs (base64); jdeep fetches nothing, so other URLs get a 400, as does a model without a vision tower. io/chat
+  puts V4.1's placeholder where each part was; the engine's check runs the tower (runtime.images).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..io.chat import ChatFormat, encode_chat
+from ..runtime.requests import RequestError
 from ..runtime.sampling import MAX_TOP_LOGPROBS
 from .fields import APIError, field, integer, show, text
 from .openai_protocol import (MAX_CHARS_PER_TOKEN, GenerationRequest, ServingContext, check_model, check_unsupported,
@@ -110,6 +112,32 @@ def _thinking(body: dict, fmt: ChatFormat) -> tuple[bool, Any]:
     return thinking, effort
 
 
+def _images(messages: list, ctx: ServingContext) -> list[str]:
+    """The data: URLs of the messages' image parts in prompt order (400 for other URLs, malformed parts, or a model
+    without a vision tower)."""
+    urls = []
+    for i, m in enumerate(messages):
+        parts = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(parts, list):
+            continue
+        for j, p in enumerate(parts):
+            if not isinstance(p, dict) or p.get("type") not in ("image_url", "image"):
+                continue
+            where = f"messages[{i}].content[{j}]"
+            if ctx.expand_images is None:
+                raise APIError(400, f"{where}: this model takes no images (no vision tower: its config.json has no "
+                               "vision_config)", param="messages")
+            url = p.get("image_url", p.get("url"))
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise APIError(400, f"{where}: an image part needs image_url.url (a data: URL)", param="messages")
+            if not url.startswith("data:"):
+                raise APIError(400, f"{where}: image URLs are not fetched; send the image as a base64 data: URL",
+                               param="messages")
+            urls.append(url)
+    return urls
+
+
 def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
     """POST /v1/chat/completions -> a GenerationRequest with its ChatPlan (`chat`)."""
     if not isinstance(body, dict):
@@ -123,12 +151,7 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
         raise APIError(400, "this model has no tokenizer (no tokenizer.json): chat needs one; use /v1/completions "
                        "with token ids", param="messages")
     fmt = ctx.chat_format
-    for i, m in enumerate(messages):
-        parts = m.get("content") if isinstance(m, dict) else None
-        if isinstance(parts, list) and any(isinstance(p, dict) and p.get("type") in ("image_url", "image")
-                                           for p in parts):
-            raise APIError(400, f"messages[{i}]: image inputs need DeepSeek-V4.1's vision tower, which jdeep does not "
-                           "run yet (the prompt would hold image placeholders without images)", param="messages")
+    images = _images(messages, ctx)
     tools = _tools(body)
     choice, forced = _tool_choice(body, [f["name"] for f in tools])
     thinking, effort = _thinking(body, fmt)
@@ -152,7 +175,13 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
     elif choice == "function":
         prefix = f"{fmt.tool_calls_start}\n{fmt.invoke_open} name=\"{forced}\">\n"
     text(prompt, "messages", "the messages' text", MAX_CHARS_PER_TOKEN * ctx.max_len)
-    ids = ctx.tokenizer.encode(prompt + prefix)
+    if images:
+        try:
+            ids = ctx.expand_images(prompt + prefix, images)
+        except RequestError as e:
+            raise APIError(400, str(e), param="messages") from None
+    else:
+        ids = ctx.tokenizer.encode(prompt + prefix)
     plan = ChatPlan(fmt, thinking, tuple(f["name"] for f in tools), choice, prefix, parallel, logprobs)
     max_tokens = max_tokens_field(body, ("max_completion_tokens", "max_tokens"), None)
     return finish_request(body, "chat", model, [ids], max_tokens, ctx, "messages",

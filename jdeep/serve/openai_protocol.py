@@ -44,13 +44,15 @@ MAX_CHARS_PER_TOKEN = 64     # text (a prompt, the messages) longer than this x 
 class ServingContext:
     """What parsing needs to know about the served model.
     check(ids, params) -> Request or RequestError: the engine's request validation (Engine.check_request).
-    chat_format: the model's chat layout (io/chat: V4 or V4.1)."""
+    chat_format: the model's chat layout (io/chat: V4 or V4.1). expand_images(text, images) -> the prompt with its
+    images (runtime.images.ImagePrompt; RequestError for a bad image), None for a model without a vision tower."""
 
     model_name: str
     max_len: int
     tokenizer: Any
     check: Callable[[Sequence[int], SamplingParams], Request]
     chat_format: ChatFormat = V4
+    expand_images: Callable[[str, list], Any] | None = None
 
 
 @dataclass

@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from ..io.chat import chat_format_for
 from ..runtime.engine import Engine
+from ..runtime.images import expand_image_prompt
 from .async_engine import AsyncEngine, QueueFull, RequestHandle
 from .chat_protocol import parse_chat
 from .openai_protocol import APIError, GenerationRequest, ServingContext, parse_completion, parse_json
@@ -116,8 +117,12 @@ class _App:
     def __init__(self, aengine: AsyncEngine, settings: ServerSettings):
         self.engine, self.settings = aengine, settings
         eng = aengine.engine
+        expand = None
+        if eng.model.vision is not None:
+            def expand(text: str, images: list):
+                return expand_image_prompt(eng.model, {"text": text, "images": images}, eng.tokenizer)
         self.ctx = ServingContext(settings.model_name, eng.max_len, eng.tokenizer, aengine.check,
-                                  chat_format_for(eng.model.config.model_type, settings.chat_format))
+                                  chat_format_for(eng.model.config.model_type, settings.chat_format), expand)
         self.metrics = ServerMetrics(aengine)
         self.draining = False
 
@@ -175,7 +180,9 @@ class _App:
         try:
             if self.draining:
                 raise APIError(503, "the server is shutting down", type="service_unavailable")
-            req: GenerationRequest = parse(await self._read_json(request), self.ctx)
+            body = await self._read_json(request)
+            # off the event loop: a prompt with images runs the vision tower while parsing
+            req: GenerationRequest = await asyncio.get_running_loop().run_in_executor(None, parse, body, self.ctx)
             queue: asyncio.Queue = asyncio.Queue()
             handles = self._submit(req, queue)
         except APIError as e:

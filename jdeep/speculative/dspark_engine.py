@@ -72,6 +72,7 @@ class DSparkEngine(Engine):
     loaded with mtp=True). `spec_stats` counts drafted and accepted tokens (mtp_decode.SpecStats)."""
 
     unsupported = SPECULATIVE_UNSUPPORTED
+    images_unsupported = True   # its draft / verify steps take no image embeddings yet
 
     def __init__(self, model: Model, speculative: dict, **kw):
         method, self.k = parse_speculative(speculative)

@@ -127,6 +127,7 @@ class SpeculativeEngine(Engine):
     mtp=True). `spec_stats` counts drafted and accepted tokens (SpecStats)."""
 
     unsupported = SPECULATIVE_UNSUPPORTED
+    images_unsupported = True   # its draft / verify steps take no image embeddings yet
 
     def __init__(self, model: Model, speculative: dict, **kw):
         method, self.k = parse_speculative(speculative)

@@ -44,8 +44,10 @@ def test_loader_reads_the_tower(model):
 @pytest.mark.parametrize("size", [(30, 50), (50, 30), (24, 24), (5, 5), (12, 200), (200, 12), (60, 60)])
 def test_span_length_is_the_processor_formula(model, size):
     h, w = size
-    ids, spans = expand_image_prompt(model, {"text": f"tok7 {IMAGE_PLACEHOLDER} tok8", "images": [_image(h, w)]},
-                                     model.tokenizer)
+    ip = expand_image_prompt(model, {"text": f"tok7 {IMAGE_PLACEHOLDER} tok8", "images": [_image(h, w)]},
+                             model.tokenizer)
+    ids, spans = list(ip.ids), ip.spans
+    assert len(ip) == len(ids)
     n_h, n_w, _, _ = plan_image_grid(w, h, model.config.vision)
     n = num_image_tokens(n_h, n_w)
     assert n <= model.config.vision.max_tokens
@@ -55,7 +57,8 @@ def test_span_length_is_the_processor_formula(model, size):
 
 
 def test_chunk_embeds_write_the_tower_rows(model):
-    ids, spans = expand_image_prompt(model, {"text": "tok9", "images": [_image(30, 50)]}, model.tokenizer)
+    ip = expand_image_prompt(model, {"text": "tok9", "images": [_image(30, 50)]}, model.tokenizer)
+    ids, spans = list(ip.ids), ip.spans
     toks, pos, _ = pack_chunk([np.asarray(ids, np.int32)], [0], 2, 32)
     emb = np.asarray(chunk_embeds(model, toks, pos, [spans, []]))
     start, rows = spans[0]
@@ -92,8 +95,9 @@ def test_host_embedding_model_takes_image_rows(folder, model):
 
 
 def test_prefill_with_two_images(model):
-    ids, spans = expand_image_prompt(model, {"text": f"{IMAGE_PLACEHOLDER} tok3 {IMAGE_PLACEHOLDER}",
-                                             "images": [_image(24, 24), _image(30, 60)]}, model.tokenizer)
+    ip = expand_image_prompt(model, {"text": f"{IMAGE_PLACEHOLDER} tok3 {IMAGE_PLACEHOLDER}",
+                                     "images": [_image(24, 24), _image(30, 60)]}, model.tokenizer)
+    ids, spans = list(ip.ids), ip.spans
     assert len(spans) == 2 and spans[1][0] == len(spans[0][1]) + 1
     state = model.init_state(1, 256)
     logits, _ = prefill(model, state, [np.asarray(ids, np.int32)], 16, model.new_history(1), images=[spans])
