@@ -39,6 +39,7 @@ from ..tools.programs import Target, chunk_buckets, model_programs
 from ..tools.random_weights import random_checkpoint
 from ..tools.spec_bench import run_speculative
 from ..tools.spec_programs import speculative_programs
+from ..tools.vision_programs import vision_programs
 from .args import batch_sizes, folder_tokenizer, load_kwargs, np_dtype, parse_ints, sampling_params
 
 
@@ -390,6 +391,8 @@ def cmd_check_graph(args: argparse.Namespace) -> int:
     if args.speculative_tokens is not None:
         programs += speculative_programs(target, batch_sizes(args.batch_sizes), args.speculative_tokens,
                                          chunk_buckets(args.prefill_len), args.max_len)
+    programs += vision_programs(target, batch_sizes(args.batch_sizes), chunk_buckets(args.prefill_len), args.max_len,
+                                args.max_prefill_tokens)
     for prog in programs:
         report = check_lowered(prog.lower(), name=prog.name, n_experts=target.config.n_routed_experts,
                                decode=prog.bucket["step"] == "decode", limits=limits)

@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..vision.geometry import tower_inputs
 from ..vision.params import load_vision_params
 from ..vision.processor import ImagePatches, process_image
-from ..vision.tower import tower
+from ..vision.tower import span_rows, tower
 
 __all__ = ["PLACEMENTS", "VisionTower", "ImageSpan", "chunk_embeds"]
 
@@ -35,6 +35,7 @@ class VisionTower:
 
     def __init__(self, config: ModelConfig, params: dict, placement: str, device: Any):
         self.config, self.params, self.placement, self.device = config, params, placement, device
+        self._marks = {k: np.asarray(params[k]) for k in ("image_start", "image_end", "image_newline")}
         self._program = jax.jit(functools.partial(tower, vc=config.vision))
 
     @classmethod
@@ -51,9 +52,8 @@ class VisionTower:
     def encode(self, image: Any | ImagePatches) -> np.ndarray:
         img = image if isinstance(image, ImagePatches) else self.process(image)
         t = tower_inputs(img, self.config.vision.downsample_ratio)
-        args = jax.device_put((t.patches, t.pos, t.valid, t.gather, t.slots), self.device)
-        rows = self._program(self.params, *args)
-        return np.asarray(rows)[:t.n_tokens]
+        aligned = self._program(self.params, *jax.device_put((t.patches, t.pos, t.valid, t.gather), self.device))
+        return span_rows(np.asarray(aligned), t.types, self._marks)
 
 
 def _merge(text: jax.Array, rows: jax.Array, mask: jax.Array) -> jax.Array:

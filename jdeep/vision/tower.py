@@ -1,13 +1,15 @@
-"""DeepSeek-V4.1's vision tower in jnp (model-spec.md §5.9): the ViT, the aligner and an image span's embedding rows.
+"""DeepSeek-V4.1's vision tower in jnp (model-spec.md §5.9): the ViT and the aligner, and an image span's rows.
 
-Shapes are static per bucket: an image's patches are padded to N rows (padding keys masked out of attention), its
-aligner output to T rows and its span to S rows; the geometry (patch positions, the aligner's 3x3 gathers, which
-row each span position takes) is computed on the host (vision.geometry) and passed in as int32 arrays.
+Shapes are static per bucket: an image's patches are padded to N rows (padding keys masked out of attention) and its
+aligner output to T rows; the geometry (patch positions, the aligner's 3x3 gathers) is computed on the host
+(vision.geometry) and passed in as int32 arrays. Attention over more than ATTENTION_BLOCK patches runs one block
+of queries at a time (logits [heads, block, N], not [heads, N, N]: 17 GB at DeepSeek's largest image).
 
 params (vision.params.vision_specs; L blocks stacked on a leading axis, run under lax.scan):
   patch_embed {weight [dim, 3p²], bias [dim]}; blocks {norm1, norm2 [L, dim], wqkv [L, 3dim, dim], wqkv_bias
   [L, 3dim], wo [L, dim, dim], wo_bias [L, dim], w1 [L, 2·inter, dim], w2 [L, dim, inter]}; norm [dim];
-  aligner {w1 [D, r²·dim], w1_bias [D], w2 [D, D], w2_bias [D]}; image_start, image_end, image_newline [D].
+  aligner {w1 [D, r²·dim], w1_bias [D], w2 [D, D], w2_bias [D]}; image_start, image_end, image_newline [D]
+  (read by span_rows on the host).
 Activations are in the weights' dtype with fp32 accumulation; norms, RoPE and the softmax in fp32 (DeepSeek runs
 the tower in bf16 with the same fp32 places).
 """
@@ -16,12 +18,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..config import VisionConfig
 from ..kernels.linear import linear
 from ..layers.norm import rms
+from .processor import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START
 
-__all__ = ["vit", "aligner", "span_rows", "tower"]
+__all__ = ["ATTENTION_BLOCK", "vit", "aligner", "span_rows", "tower"]
+
+ATTENTION_BLOCK = 1024
 
 
 def _norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -55,11 +61,18 @@ def _block(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, key_ok: jax.Ar
     q, k, v = jnp.split(_affine(_norm(x, p["norm1"], vc.norm_eps), p["wqkv"], p["wqkv_bias"]), 3, axis=-1)
     q, k, v = (t.reshape(N, H, hd) for t in (q, k, v))
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    logits = jnp.einsum("nhd,mhd->hnm", q, k, precision=jax.lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32) * hd ** -0.5
-    probs = jax.nn.softmax(jnp.where(key_ok[None, None, :], logits, -jnp.inf), axis=-1)
-    o = jnp.einsum("hnm,mhd->nhd", probs.astype(v.dtype), v, precision=jax.lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32).astype(x.dtype)
+
+    def attend(qb):                                                      # qb [n, H, hd] -> [n, H, hd]
+        logits = jnp.einsum("nhd,mhd->hnm", qb, k, precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32) * hd ** -0.5
+        probs = jax.nn.softmax(jnp.where(key_ok[None, None, :], logits, -jnp.inf), axis=-1)
+        return jnp.einsum("hnm,mhd->nhd", probs.astype(v.dtype), v, precision=jax.lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32).astype(x.dtype)
+
+    if N > ATTENTION_BLOCK:      # bucket sizes past the block are multiples of it (vision.geometry.bucket)
+        o = jax.lax.map(attend, q.reshape(N // ATTENTION_BLOCK, ATTENTION_BLOCK, H, hd)).reshape(N, H, hd)
+    else:
+        o = attend(q)
     x = x + _affine(o.reshape(N, H * hd), p["wo"], p["wo_bias"])
     gate, up = jnp.split(linear(_norm(x, p["norm2"], vc.norm_eps), p["w1"]), 2, axis=-1)
     a = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
@@ -87,21 +100,26 @@ def aligner(params: dict, features: jax.Array, gather: jax.Array) -> jax.Array:
     Linear, exact GELU, Linear."""
     p = params["aligner"]
     padded = jnp.concatenate([features, jnp.zeros_like(features[:1])], axis=0)
-    x = padded[gather]                                                   # [T, r², dim]
+    x = padded[jnp.clip(gather, 0, features.shape[0])]                 # [T, r², dim] (clamped: S12)
     x = jnp.swapaxes(x, 1, 2).reshape(gather.shape[0], -1)               # [T, dim·r²], channel-major
     h = _affine(x, p["w1"], p["w1_bias"])
     h = jax.nn.gelu(h.astype(jnp.float32), approximate=False).astype(h.dtype)
     return _affine(h, p["w2"], p["w2_bias"])
 
 
-def span_rows(params: dict, aligned: jax.Array, slots: jax.Array) -> jax.Array:
-    """The span's embedding rows: aligned [T, D]; slots int32 [S] indexes [aligned rows, image_start, image_end,
-    image_newline] (T, T+1, T+2 for the delimiters) -> [S, D]."""
-    marks = jnp.stack([params["image_start"], params["image_end"], params["image_newline"]]).astype(aligned.dtype)
-    return jnp.concatenate([aligned, marks], axis=0)[slots]
+def span_rows(aligned: np.ndarray, types: np.ndarray, marks: dict) -> np.ndarray:
+    """An image span's embedding rows on the host: aligned [>= T, D] (the aligner's rows in reading order), types
+    [S] (processor.span_types), marks {"image_start", "image_end", "image_newline": [D]} -> [S, D]: the k-th
+    IMAGE position takes aligned row k, the delimiters their learned vectors."""
+    out = np.empty((len(types), aligned.shape[1]), aligned.dtype)
+    image = types == IMAGE
+    out[image] = aligned[:int(image.sum())]
+    for kind, name in ((IMAGE_START, "image_start"), (IMAGE_END, "image_end"), (IMAGE_NEW_LINE, "image_newline")):
+        out[types == kind] = marks[name]
+    return out
 
 
-def tower(params: dict, patches: jax.Array, pos: jax.Array, valid: jax.Array, gather: jax.Array,
-          slots: jax.Array, *, vc: VisionConfig) -> jax.Array:
-    """One image through the ViT and the aligner into its span rows [S, D] (see vision.geometry for the inputs)."""
-    return span_rows(params, aligner(params, vit(params, patches, pos, valid, vc), gather), slots)
+def tower(params: dict, patches: jax.Array, pos: jax.Array, valid: jax.Array, gather: jax.Array, *,
+          vc: VisionConfig) -> jax.Array:
+    """One image through the ViT and the aligner: its aligned rows [T, D] (see vision.geometry for the inputs)."""
+    return aligner(params, vit(params, patches, pos, valid, vc), gather)

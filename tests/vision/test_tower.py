@@ -17,7 +17,8 @@ from jdeep.presets import tiny_v41_config
 from jdeep.vision.geometry import tower_inputs
 from jdeep.vision.params import random_vision_tensors, vision_tensors
 from jdeep.vision.processor import ImagePatches
-from jdeep.vision.tower import tower
+from jdeep.vision import geometry, tower as tower_module
+from jdeep.vision.tower import span_rows, tower
 
 CONFIG = ModelConfig.from_dict(tiny_v41_config(vision=True))
 
@@ -104,6 +105,13 @@ def _oracle(t: dict, img: ImagePatches, config: ModelConfig) -> np.ndarray:
     return np.stack(out + [g["image_end"]])
 
 
+def _span(t: dict, img: ImagePatches) -> np.ndarray:
+    vc = CONFIG.vision
+    ti = tower_inputs(img, vc.downsample_ratio)
+    aligned = jax.jit(functools.partial(tower, vc=vc))(_tree(t, CONFIG), ti.patches, ti.pos, ti.valid, ti.gather)
+    return span_rows(np.asarray(aligned), ti.types, {k: t[k] for k in ("image_start", "image_end", "image_newline")})
+
+
 @pytest.mark.parametrize("grid", [(6, 6), (7, 4), (3, 10), (1, 1)])
 def test_tower_matches_float64_oracle(grid):
     """Grids that are and are not multiples of the aligner's 3 (its zero padding), a single patch."""
@@ -113,10 +121,7 @@ def test_tower_matches_float64_oracle(grid):
     vc = CONFIG.vision
     patches = rng.uniform(-1, 1, (n_h * n_w, vc.patch_values)).astype(np.float32)
     img = ImagePatches(patches, n_h, n_w, -(-n_h // 3), -(-n_w // 3))
-    ti = tower_inputs(img, vc.downsample_ratio)
-    got = jax.jit(functools.partial(tower, vc=vc))(_tree(t, CONFIG), ti.patches, ti.pos, ti.valid, ti.gather,
-                                                   ti.slots)
-    got = np.asarray(got)[:ti.n_tokens]
+    got = _span(t, img)
     want = _oracle(t, img, CONFIG)
     assert got.shape == want.shape == (img.n_tokens, CONFIG.dim)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
@@ -133,6 +138,19 @@ def test_padding_patches_do_not_leak():
     noisy = ti.patches.copy()
     noisy[25:] = rng.normal(0, 5, noisy[25:].shape)
     f = jax.jit(functools.partial(tower, vc=vc))
-    a = np.asarray(f(params, ti.patches, ti.pos, ti.valid, ti.gather, ti.slots))[:ti.n_tokens]
-    b = np.asarray(f(params, noisy, ti.pos, ti.valid, ti.gather, ti.slots))[:ti.n_tokens]
+    a = np.asarray(f(params, ti.patches, ti.pos, ti.valid, ti.gather))[:4]
+    b = np.asarray(f(params, noisy, ti.pos, ti.valid, ti.gather))[:4]
     np.testing.assert_array_equal(a, b)
+
+
+def test_attention_in_query_blocks_matches_the_oracle(monkeypatch):
+    """Past ATTENTION_BLOCK patches the tower attends one block of queries at a time (here blocks of 16 over a
+    7x8 grid padded to 64 patches)."""
+    monkeypatch.setattr(tower_module, "ATTENTION_BLOCK", 16)
+    monkeypatch.setattr(geometry, "ATTENTION_BLOCK", 16)
+    rng = np.random.default_rng(11)
+    t = random_vision_tensors(rng, CONFIG)
+    img = ImagePatches(rng.uniform(-1, 1, (56, CONFIG.vision.patch_values)).astype(np.float32), 7, 8, 3, 3)
+    assert tower_inputs(img, 3).patches.shape[0] == 64
+    want = _oracle(t, img, CONFIG)
+    np.testing.assert_allclose(_span(t, img), want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
