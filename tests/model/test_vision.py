@@ -110,6 +110,7 @@ def test_prefill_with_two_images(model):
     ({"text": "tok1", "images": "cat.png"}, "images must be a list"),
     ({"text": "tok1", "image": []}, "unknown keys"),
     ({"text": "tok1", "images": ["https://example.com/x.png"]}, "not fetched"),
+    ({"text": "tok1", "images": [b"x"] * 17}, "17 images; at most 16"),
 ])
 def test_bad_image_prompts_are_named(model, prompt, message):
     with pytest.raises(RequestError, match=message):
