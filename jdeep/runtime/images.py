@@ -39,8 +39,8 @@ def is_image_prompt(prompt: Any) -> bool:
 
 
 def expand_image_prompt(model: Model, prompt: Mapping, tokenizer, index: int = 0) -> ImagePrompt:
-    """The ImagePrompt (token ids, [(span start, rows [n, D])]) of a {"text": str, "images": [PIL image | path | bytes | data URL]}
-    prompt; RequestError naming prompt `index` for a model without a vision tower, a text without a tokenizer,
+    """The ImagePrompt (token ids, [(span start, rows [n, D])]) of a {"text": str, "images": [PIL image | path |
+    bytes | data URL]} prompt; RequestError naming prompt `index` for a model without a vision tower, a text without a tokenizer,
     a placeholder count that does not match the images, more than MAX_IMAGES images, or a bad image."""
     unknown = set(prompt) - {"text", "images"}
     if unknown:
@@ -81,13 +81,13 @@ def expand_image_prompt(model: Model, prompt: Mapping, tokenizer, index: int = 0
     return ImagePrompt(tuple(ids), tuple(spans))
 
 
-
 def split_images(model: Model, prompt: Any, tokenizer, refuse: str | bool = False
                  ) -> tuple[Any, tuple[ImageSpan, ...]]:
     """(the prompt as token ids or as given, its image spans): a {"text", "images"} prompt is expanded here (the
     tower runs), an ImagePrompt split; any other prompt comes back unchanged with no spans. refuse: the name of an
     engine that takes no images (a RequestError for a prompt with images)."""
-    if (is_image_prompt(prompt) or isinstance(prompt, ImagePrompt)) and refuse:
+    has_images = prompt.spans if isinstance(prompt, ImagePrompt) else is_image_prompt(prompt) and prompt.get("images")
+    if has_images and refuse:
         raise RequestError(f"{refuse} does not take prompts with images yet", "prompt")
     if is_image_prompt(prompt):
         prompt = expand_image_prompt(model, prompt, tokenizer)
