@@ -56,13 +56,21 @@ def written_out(x: jax.Array) -> jax.Array:
     return jnp.zeros_like(flat).at[ids].set(flat, indices_are_sorted=True, unique_indices=True).reshape(x.shape)
 
 
+# Inputs of more rows than this are not fenced: XLA:CPU fuses elementwise producers only into matrix-vector loops
+# (decode's few rows, and the per-pair expert products taken from them); a product of a prefill chunk's rows goes
+# through its GEMM path, which reads the operand from memory anyway, so there the fence is one more copy.
+FENCE_MAX_ROWS = 64
+
+
 def gemm_input(x: jax.Array, numerics) -> jax.Array:
     """The input of a quantized GEMM under `numerics`: fp8 act_quant (1 x act_block groups) when DeepSeek's numerics
-    run, else x; written out first where the platform fuses it into the product (Numerics.fence_gemm_inputs)."""
+    run, else x; written out first where the platform fuses it into the product (Numerics.fence_gemm_inputs) and
+    the product has at most FENCE_MAX_ROWS rows."""
     if numerics is None or not numerics.quantize_activations:
         return x
     xq = fp8_fake_quant(x, numerics.act_block, numerics.fp8_max)
-    return written_out(xq) if numerics.fence_gemm_inputs else xq
+    rows = x.size // x.shape[-1] if x.ndim else 1
+    return written_out(xq) if numerics.fence_gemm_inputs and rows <= FENCE_MAX_ROWS else xq
 
 
 @register("fp4_fake_quant")

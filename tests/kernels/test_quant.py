@@ -14,7 +14,7 @@ import pytest
 import jdeep
 from jdeep import kernels
 from jdeep.config import ModelConfig
-from jdeep.kernels.quant import fp8_fake_quant, gemm_input, written_out
+from jdeep.kernels.quant import FENCE_MAX_ROWS, fp8_fake_quant, gemm_input, written_out
 from jdeep.layers.linear import dense
 from jdeep.numerics import Numerics
 
@@ -40,16 +40,21 @@ def _fusions_with_a_dot(hlo: str) -> list[str]:
     return [b for b in bodies if " dot(" in b]
 
 
-def _dot_bodies_round(fence: bool) -> bool:
-    """Whether a computation holding a dot rounds, in a layer scan of quantized Linears as the model runs them (the
-    weight a dynamic slice of a stacked [L, N, K] array, the input a [1, K] row)."""
+def _compiled_layers(fence: bool, rows: int = 1) -> str:
+    """The compiled HLO of a layer scan of quantized Linears as the model runs them (the weight a dynamic slice of a
+    stacked [L, N, K] array, the input `rows` rows)."""
     nx = dataclasses.replace(QA, fence_gemm_inputs=fence)
 
     def layers(x, ws):
         return jax.lax.scan(lambda h, w: (h + dense(h, {"decoded": w}, nx), None), x, ws)[0]
 
-    ws, x = jnp.full((3, 512, 512), 0.01, jnp.float32), jnp.ones((1, 512), jnp.float32)
-    hlo = jax.jit(layers).lower(x, ws).compile().as_text()
+    ws, x = jnp.full((3, 512, 512), 0.01, jnp.float32), jnp.ones((rows, 512), jnp.float32)
+    return jax.jit(layers).lower(x, ws).compile().as_text()
+
+
+def _dot_bodies_round(fence: bool, rows: int = 1) -> bool:
+    """Whether a computation holding a dot rounds, in _compiled_layers."""
+    hlo = _compiled_layers(fence, rows)
     with_dot = [b for b in re.split(r"\n(?=\S)", hlo) if " dot(" in b]
     assert with_dot and "round-nearest-even" in hlo            # the product and the act_quant are both there
     return any("round-nearest-even" in b for b in with_dot)
@@ -62,6 +67,18 @@ def test_the_rounding_stays_out_of_the_cpu_product():
         pytest.skip("the fence is CPU's")
     assert _dot_bodies_round(fence=False)                      # what the fence is for, on this XLA
     assert not _dot_bodies_round(fence=True)
+
+
+def test_prefill_sized_inputs_are_not_fenced():
+    """A product of more than FENCE_MAX_ROWS rows takes XLA:CPU's GEMM path, which does not fuse the rounding in
+    even unfenced; there the fence (a scatter) would be one more copy, so gemm_input leaves it out (-11% on a
+    256-token chunk of v4-bench-small in the published format, docs/performance.md)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the fence is CPU's")
+    rows = FENCE_MAX_ROWS * 4
+    assert not _dot_bodies_round(fence=False, rows=rows)
+    assert "scatter" not in _compiled_layers(fence=True, rows=rows)
+    assert "scatter" in _compiled_layers(fence=True, rows=1)
 
 
 def test_platforms_fence():
