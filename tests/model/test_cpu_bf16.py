@@ -23,9 +23,12 @@ PROMPT = [0, 5, 9, 17, 33, 65, 12, 7, 3, 250, 100]
 
 @pytest.fixture(scope="module")
 def pair():
-    """The tiny V4 golden in bf16: as CPU loads it (bits), and with plain bf16 leaves (the rule switched off)."""
+    """The tiny V4 golden in bf16: as CPU loads it (bits), and with plain bf16 leaves (the rule switched off). The
+    rule is set explicitly both ways, so the pair is the same on any default backend."""
     folder = golden_path("v4-tiny-hf")
-    bits = jdeep.load(folder, dtype="bfloat16")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "bf16_weights_as_bits", lambda backend=None: True)
+        bits = jdeep.load(folder, dtype="bfloat16")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "bf16_weights_as_bits", lambda backend=None: False)
         plain = jdeep.load(folder, dtype="bfloat16")
@@ -38,8 +41,6 @@ def _leaf_dtypes(tree) -> set[str]:
 
 def test_layer_weights_are_bits_and_the_head_float32(pair):
     bits, plain = pair
-    if jax.default_backend() != "cpu":
-        pytest.skip("the bits form is CPU's")
     assert "uint16" in _leaf_dtypes(bits.params["segments"]) and "bfloat16" not in _leaf_dtypes(bits.params["segments"])
     assert "uint16" not in _leaf_dtypes(plain.params["segments"])
     assert bits.params["head"].dtype == np.float32 and plain.params["head"].dtype == ml_dtypes.bfloat16
@@ -63,16 +64,14 @@ def test_no_stacked_weight_is_converted_outside_the_loops(pair):
     """The compiled decode step holds no float32 array of a stacked layer weight's shape (the hoisted upcast; a
     one-layer segment's [1, ...] slice inside its loop is no stack)."""
     bits, plain = pair
-    if jax.default_backend() != "cpu":
-        pytest.skip("XLA:CPU's float normalisation")
+    cpu = jax.devices("cpu")[0]          # the program is compiled for XLA:CPU whatever the default backend
     stacked = {tuple(a.shape) for a in jax.tree_util.tree_leaves(plain.params["segments"])   # [R > 1, ...] or experts
                if a.dtype == ml_dtypes.bfloat16 and (a.ndim >= 4 or (a.ndim == 3 and a.shape[0] > 1))}
     assert stacked
 
     def upcasts(model) -> set[tuple]:
-        state = model.init_state(1, 64)
-        toks = model.put(np.ones((1, 1), np.int32))
-        text = model.step_fn(all_logits=False).lower(model.params, state, toks, toks, None).compile().as_text()
+        args = jax.device_put((model.params, model.init_state(1, 64), np.ones((1, 1), np.int32)), cpu)
+        text = model.step_fn(all_logits=False).lower(args[0], args[1], args[2], args[2], None).compile().as_text()
         shapes = {tuple(int(d) for d in m.split(",") if d) for m in re.findall(r"= f32\[([\d,]*)\]", text)}
         return shapes & stacked
 
