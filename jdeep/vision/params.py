@@ -12,7 +12,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..io.safetensors import FLOAT_DTYPES, CheckpointError, CheckpointReader
 
-__all__ = ["vision_tensors", "load_vision_params", "random_vision_tensors"]
+__all__ = ["vision_tensors", "vision_tree", "load_vision_params", "random_vision_tensors"]
 
 # (checkpoint suffix of a block tensor, param key in params["blocks"], shape from (dim, inter))
 _BLOCK = (("norm1.weight", "norm1", lambda d, i: (d,)), ("norm2.weight", "norm2", lambda d, i: (d,)),
@@ -60,18 +60,23 @@ def load_vision_params(folder: str, config: ModelConfig, dtype: Any, device: Any
                               + "; ".join(problems[:20]) + (f"; ... and {len(problems) - 20} more"
                                                             if len(problems) > 20 else ""))
     device = device if device is not None else jax.devices()[0]
+    tree = vision_tree(config, {name: np.asarray(reader.get(name), np.float32) for name, _, _ in vision_tensors(config)})
+    return jax.tree_util.tree_map(lambda a: jax.device_put(jnp.asarray(a, dtype), device), tree)
+
+
+def vision_tree(config: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
+    """The tower's param tree (vision.tower) from its tensors under their checkpoint names; blocks stacked [L, ...]."""
     out: dict = {}
     blocks: dict[str, list] = {}
     for name, path, _ in vision_tensors(config):
-        value = np.asarray(reader.get(name), np.float32)
         if path[0] == "blocks":
-            blocks.setdefault(path[1], []).append(value)
+            blocks.setdefault(path[1], []).append(tensors[name])
             continue
         node = out
         for k in path[:-1]:
             node = node.setdefault(k, {})
-        node[path[-1]] = jax.device_put(jnp.asarray(value, dtype), device)
-    out["blocks"] = {k: jax.device_put(jnp.asarray(np.stack(v), dtype), device) for k, v in blocks.items()}
+        node[path[-1]] = tensors[name]
+    out["blocks"] = {k: np.stack(v) for k, v in blocks.items()}
     return out
 
 

@@ -15,7 +15,7 @@ import pytest
 from jdeep.config import ModelConfig
 from jdeep.presets import tiny_v41_config
 from jdeep.vision.geometry import tower_inputs
-from jdeep.vision.params import random_vision_tensors, vision_tensors
+from jdeep.vision.params import random_vision_tensors, vision_tree
 from jdeep.vision.processor import ImagePatches
 from jdeep.vision import geometry, tower as tower_module
 from jdeep.vision.tower import span_rows, tower
@@ -25,18 +25,7 @@ CONFIG = ModelConfig.from_dict(tiny_v41_config(vision=True))
 
 def _tree(tensors: dict, config: ModelConfig) -> dict:
     """The checkpoint tensors as the tower's param tree (blocks stacked), float32."""
-    out: dict = {}
-    blocks: dict = {}
-    for name, path, _ in vision_tensors(config):
-        if path[0] == "blocks":
-            blocks.setdefault(path[1], []).append(tensors[name])
-            continue
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = jnp.asarray(tensors[name])
-    out["blocks"] = {k: jnp.asarray(np.stack(v)) for k, v in blocks.items()}
-    return out
+    return jax.tree_util.tree_map(jnp.asarray, vision_tree(config, tensors))
 
 
 # ------------------------------------------------------------------------------------------- float64 oracle
