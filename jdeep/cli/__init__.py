@@ -9,14 +9,15 @@ import sys
 
 from ..io.chat import FORMATS
 from ..presets import PRESET_NAMES
+from ..serve.lockstep import PEER_TIMEOUT_S
 from ..tools.bench import PREFILL_CHUNK
 from ..tools.programs import SERVING_BATCH_SIZES, SERVING_PREFILL_LEN, SERVING_PREFILL_TOKENS
 from .args import (BARE, RUNTIME, add_graph_args, add_load_args, add_process_args, add_sampling_args,
                    add_speculative_arg, init_distributed, parse_bytes, setup_compile_cache)
 from .chat import cmd_chat
-from .commands import (cmd_bench, cmd_check_graph, cmd_convert, cmd_demo, cmd_eval, cmd_export, cmd_generate, cmd_info,
-                       cmd_serve)
+from .commands import cmd_bench, cmd_check_graph, cmd_convert, cmd_demo, cmd_eval, cmd_export, cmd_generate, cmd_info
 from .doctor import add_doctor_parser
+from .serve import cmd_serve
 
 __all__ = ["main", "build_parser"]
 
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_load_args(sv, quantize_activations=BARE, fp8_max=BARE, packed_kv=BARE)
     add_process_args(sv)
+    sv.add_argument("--peer-timeout", type=float, default=PEER_TIMEOUT_S,
+                    help="multi-process: seconds without a heartbeat after which a process counts as dead; process 0 "
+                         f"then answers 503 and the others exit (default {PEER_TIMEOUT_S:g})")
     sv.set_defaults(fn=cmd_serve)
 
     b = sub.add_parser("bench", help="prefill/decode speed, latency percentiles, memory and bandwidth roofline")
@@ -176,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--batch", type=int, help="with --mesh: sequence slots of the decode state (default 1)")
     i.add_argument("--max-len", type=int, help="with --mesh: tokens per sequence of the decode state (default 8192)")
     i.add_argument("--packed-kv", action="store_true", help="with --mesh: the KV caches as uint8 fp8 records")
+    i.add_argument("--collectives", action="store_true",
+                   help="with --mesh: also compile one decode step and one prefill chunk for the mesh (in a CPU "
+                        "subprocess with that many host devices when this process has fewer) and print per collective "
+                        "kind the runs, bytes per device and time at --link-gbps (V4-Flash on "
+                        "data=1,tensor=4,expert=16: ~20 s on 2 CPU cores)")
+    i.add_argument("--link-gbps", type=float, help="with --mesh: GB/s per device link the collectives' time assumes "
+                                                   "(implies --collectives; default 100, a placeholder: pass your link's)")
+    i.add_argument("--prefill-len", type=int, help="with --mesh: tokens of the prefill chunk whose collectives are "
+                                                   "measured (implies --collectives; default 256)")
     i.set_defaults(fn=cmd_info)
 
     c = sub.add_parser("convert", help="load a checkpoint and save the converted tree with Orbax")

@@ -4,9 +4,11 @@ compile-cache flags, and turning parsed arguments into load keywords, SamplingPa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 from typing import Any
 
 import jax
@@ -203,9 +205,36 @@ def init_distributed(args: argparse.Namespace) -> None:
         raise ValueError(f"--process-id must be in [0, {n}) and --num-processes positive, got {pid} of {n}")
     if ":" not in coordinator:
         raise ValueError(f"--coordinator must be HOST:PORT, got {coordinator!r}")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=pid)
+    if getattr(args, "command", None) == "serve":
+        # the coordination service would otherwise end every process once one stops sending heartbeats; a server's
+        # process 0 answers 503 instead (serve/lockstep.py)
+        jax.config.update("jax_enable_recoverability", True)
+    with _native_stderr_without(RECOVERABLE_NOTICE):
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=pid)
     # Results go to Python's stdout on process 0 only; native libraries (gloo's connection messages) that
     # write to file descriptor 1 are sent to stderr, so stdout stays machine-readable.
     sys.stdout.flush()
     sys.stdout = os.fdopen(os.dup(1), "w") if pid == 0 else open(os.devnull, "w")
     os.dup2(2, 1)
+
+
+RECOVERABLE_NOTICE = "Using experimental recoverable task feature"   # the service's WARNING line for the option above
+
+
+@contextlib.contextmanager
+def _native_stderr_without(notice: str):
+    """Native code's stderr (file descriptor 2) in the block, written back without the lines holding `notice`: the
+    coordination service logs a WARNING for an option jdeep sets on purpose, which is not the user's to act on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [ln for ln in captured.read().decode(errors="replace").splitlines(True) if notice not in ln]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()

@@ -22,12 +22,11 @@ from ..model.weights import from_cpu_bf16
 from ..param_spec import weight_formats
 from ..presets import BENCH_DEFAULT_CONFIG, TINY_CONFIG, preset, tiny_v41_config
 from ..runtime.sampling import SamplingParams
-from ..runtime.steps import MIN_BUCKET
-from ..serve.server import ServerSettings, serve
 from ..sharding import parse_mesh
 from ..speculative.config import parse_speculative
 from ..speculative.engine import make_engine
 from ..tools.bench import bench_prompts, format_report, plot_sweep, result_head, run_bench, run_context_sweep
+from ..tools.collectives import DEFAULT_LINK_GBPS, DEFAULT_PREFILL_LEN, collectives_table, measure
 from ..tools.compare import hf_config, require_transformers  # imports torch only when called
 from ..tools.evaluate import NUMERICS_MODES, compare, format_table, load_modes, read_texts
 from ..tools.export import export_programs, model_info
@@ -169,45 +168,6 @@ def _generate_file(args: argparse.Namespace, model, tok: Tokenizer | None) -> in
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """The OpenAI-compatible HTTP server (jdeep/serve/server.py) until SIGINT/SIGTERM."""
-    if args.num_processes not in (None, 1):
-        raise ValueError("jdeep serve runs in one process (use --mesh over its local devices); multi-process "
-                         "serving is not supported yet")
-    if args.max_body_bytes < 1024:
-        raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
-    if args.max_waiting is not None and args.max_waiting < 0:
-        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < MIN_BUCKET:
-        raise ValueError(f"--max-num-batched-tokens must be at least {MIN_BUCKET} (one minimum prefill chunk), got "
-                         f"{args.max_num_batched_tokens}")
-    if args.request_timeout is not None and not args.request_timeout > 0:
-        raise ValueError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
-    if not os.path.isdir(args.model):
-        raise FileNotFoundError(f"--model {args.model} is not a folder")
-    model = load(args.model, **load_kwargs(args, progress=True, mtp=args.speculative_config is not None))
-    tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else model.tokenizer
-    engine = make_engine(model, args.speculative_config, max_num_seqs=args.max_num_seqs, max_len=args.max_len,
-                         prefill_chunk=args.prefill_chunk, seed=args.seed, tokenizer=tokenizer,
-                         max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache_bytes=args.prefix_cache_bytes)
-    if args.warmup:
-        t0 = time.perf_counter()
-        n = engine.warmup()
-        print(f"jdeep serve: compiled {n} programs (every batch and prefill bucket) in {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr, flush=True)
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    created = int(os.path.getmtime(os.path.join(args.model, "config.json")))
-    print(f"jdeep serve: {name} on http://{args.host}:{args.port}/v1 ({engine.n_slots} slots, max_len {args.max_len}, "
-          f"{engine.max_num_batched_tokens} tokens per iteration"
-          f"{', API key required' if args.api_key else ''}{'' if tokenizer else ', no tokenizer: token-id prompts only'})",
-          file=sys.stderr, flush=True)
-    settings = ServerSettings(name, args.api_key, args.max_body_bytes, created, max_waiting=args.max_waiting,
-                              request_timeout=args.request_timeout, chat_format=args.chat_format)
-    serve(engine, settings, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
-          log_level=args.log_level)
-    return 0
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.compare:
         try:
@@ -340,14 +300,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    planning = [f for f, v in (("--batch", args.batch), ("--max-len", args.max_len), ("--packed-kv", args.packed_kv))
-                if v not in (None, False)]
+    planning = [f for f, v in (("--batch", args.batch), ("--max-len", args.max_len), ("--packed-kv", args.packed_kv),
+                               ("--collectives", args.collectives), ("--link-gbps", args.link_gbps),
+                               ("--prefill-len", args.prefill_len)) if v not in (None, False)]
     if args.mesh is None and planning:
-        raise ValueError(f"{', '.join(planning)} only apply with --mesh (they size the decode state per device): "
-                         "add --mesh (--mesh data=1 for a single device)")
-    for flag, v in (("--batch", args.batch), ("--max-len", args.max_len)):
+        raise ValueError(f"{', '.join(planning)} only apply with --mesh (they size the decode state and the "
+                         "collectives per device): add --mesh (--mesh data=1 for a single device)")
+    for flag, v in (("--batch", args.batch), ("--max-len", args.max_len), ("--prefill-len", args.prefill_len)):
         if v is not None and v < 1:
             raise ValueError(f"{flag} must be a positive integer, got {v}")
+    if args.link_gbps is not None and not args.link_gbps > 0:
+        raise ValueError(f"--link-gbps must be a positive number of GB/s, got {args.link_gbps}")
+    prefill_len = args.prefill_len or DEFAULT_PREFILL_LEN
+    if prefill_len > (args.max_len or 8192):
+        raise ValueError(f"--prefill-len {prefill_len} is longer than --max-len {args.max_len or 8192}")
     if args.mesh is not None:
         mesh = parse_mesh(args.mesh)   # a bad mesh fails before any work
     config = preset(args.preset) if args.preset else ModelConfig.from_file(args.model)
@@ -357,6 +323,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         print()
         print(mesh_summary(device_footprint(config, mesh, dtype, batch=args.batch or 1,
                                             max_len=args.max_len or 8192, packed_kv=args.packed_kv)))
+        if args.collectives or args.link_gbps is not None or args.prefill_len is not None:
+            print()
+            sys.stdout.flush()     # the memory lines show while the programs compile
+            print(collectives_table(measure(config, mesh, args.batch or 1, args.max_len or 8192, prefill_len, dtype,
+                                            args.packed_kv), args.link_gbps or DEFAULT_LINK_GBPS))
     return 0
 
 

@@ -12,6 +12,12 @@ Back-pressure and deadlines: with `max_waiting`, `submit` refuses (QueueFull) re
 that many waiting for a slot, i.e. more than slots + max_waiting in flight (counted from submission to the end of
 the request, so a burst cannot overshoot); a request given a `timeout` is finished by the engine thread once it
 has been in flight that long (finish_reason "timeout", its slot freed).
+
+Across processes (serve/lockstep.py): given a `lockstep` (process 0's side), every command the engine thread applies
+to the Engine (requests added, aborts, timeouts) is published with whether the engine steps, before the step, so the
+other processes replay it. A failed step or a lost process fails the mesh: the requests in flight end with
+finish_reason "abort" and the reason, `submit` refuses new ones with it, and the engine thread stops (nothing can
+step a mesh that lost a process).
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..runtime.engine import Engine
-from ..runtime.requests import Request
+from ..runtime.requests import Request, RequestError
 from ..runtime.sampling import SamplingParams
+from .lockstep import Lockstep, MeshFailure
+from .wire import request_to_wire
 
 __all__ = ["AsyncEngine", "Delta", "RequestHandle", "QueueFull"]
 
@@ -101,14 +109,16 @@ class EngineStats:
     waiting: int = 0
     steps: int = 0
     alive: bool = False
+    error: str | None = None       # why the engine stopped (a failed mesh)
 
 
 class AsyncEngine:
     """engine = AsyncEngine(Engine(model, ...)); engine.start(); h = engine.submit(ids, params); async for d in h."""
 
     def __init__(self, engine: Engine, on_error: Callable[[BaseException], None] | None = None,
-                 max_waiting: int | None = None):
-        """max_waiting: how many requests may wait for a slot (None: no limit)."""
+                 max_waiting: int | None = None, lockstep: Lockstep | None = None):
+        """max_waiting: how many requests may wait for a slot (None: no limit). lockstep: process 0's side of a
+        multi-process server (its failures end the engine: `fail_mesh`)."""
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
         self.engine = engine
@@ -123,6 +133,10 @@ class AsyncEngine:
         self._on_error = on_error
         self.on_step: Callable[[float], None] | None = None    # called (engine thread) with each step's seconds
         self.stats = EngineStats(slots=engine.n_slots)
+        self.lockstep = lockstep
+        self._applied: list = []     # commands applied since the last lockstep message (wire form)
+        if lockstep is not None:
+            lockstep.on_failure = self.fail_mesh
 
     # ------------------------------------------------------------------ caller side (any thread / event loop)
     def start(self) -> "AsyncEngine":
@@ -133,8 +147,12 @@ class AsyncEngine:
         return self
 
     def check(self, prompt: Sequence[int] | str, params: SamplingParams) -> Request:
-        """Validate without queueing (Engine.check_request): the Request, or RequestError."""
-        return self.engine.check_request(prompt, params)
+        """Validate without queueing (Engine.check_request): the Request, or RequestError (also for what the other
+        processes of a multi-process server cannot replay)."""
+        request = self.engine.check_request(prompt, params)
+        if self.lockstep is not None:
+            request_to_wire(request)
+        return request
 
     @property
     def n_waiting(self) -> int:
@@ -153,6 +171,8 @@ class AsyncEngine:
                    ) -> list[RequestHandle]:
         """Queue several requests sharing `queue`: all of them, or none (QueueFull) when they would take the
         requests waiting for a slot past max_waiting."""
+        if self.stats.error is not None:
+            raise RuntimeError(self.stats.error)
         if self._stopping or self._thread is None or not self.stats.alive:
             raise RuntimeError("the engine is not running")
         loop = asyncio.get_running_loop()
@@ -186,6 +206,9 @@ class AsyncEngine:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.lockstep is not None and self.stats.error is None:     # the followers leave first (lockstep.close)
+            if not self.lockstep.close(timeout if timeout is not None else 30.0):
+                log.error("the other processes of the server did not stop within %s s", timeout)
 
     def _post(self, cmd: tuple) -> None:
         with self._cv:
@@ -198,27 +221,38 @@ class AsyncEngine:
         try:
             while True:
                 with self._cv:
-                    while not self._inbox and not eng.has_work and not self._stopping:
+                    while (not self._inbox and not eng.has_work and not self._stopping
+                           and self.stats.error is None):
                         self._cv.wait()
                     inbox, self._inbox = self._inbox, []
                     stopping = self._stopping
+                if self.stats.error is not None:
+                    return
                 for cmd in inbox:
                     self._apply(cmd)
                 self._expire(time.monotonic())
                 if stopping:
                     for rid in list(self._tracked):
-                        eng.abort(rid)
+                        self._abort(rid)
+                    self._sync(step=False, stop=True)
                     self._publish()
+                    return
+                if not self._sync(step=eng.has_work):
                     return
                 if eng.has_work:
                     t0 = time.perf_counter()
                     try:
                         eng.step()
                     except Exception as e:      # a bug or a device failure: fail the requests in flight, keep serving
+                        if self.lockstep is not None:     # the processes may no longer agree: the mesh is done
+                            self.fail_mesh(f"an engine step failed on process 0: {type(e).__name__}: {e}")
+                            return
                         log.exception("engine step failed")
                         if self._on_error is not None:
                             self._on_error(e)
                         self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
+                    if self.lockstep is not None:
+                        self.lockstep.step_done()
                     self.stats.steps += 1
                     if self.on_step is not None:
                         self.on_step(time.perf_counter() - t0)
@@ -240,17 +274,53 @@ class AsyncEngine:
         if cmd[0] == "add":
             _, rid, request, tracked = cmd
             try:
+                wire = request_to_wire(request) if self.lockstep is not None else None
                 self.engine.add_request(request, request_id=rid)
             except Exception as e:          # a request id already in use, or a bug: this request alone fails
                 self._done(1)
                 _send(tracked, Delta(rid, [], True, "error", f"{type(e).__name__}: {e}", time.monotonic()))
                 return
             self._tracked[rid] = tracked
+            if wire is not None:
+                self._applied.append(["add", rid, wire])
         elif cmd[0] == "abort":
-            self.engine.abort(cmd[1])
+            self._abort(cmd[1])
         else:
             for rid in list(self._tracked):
-                self.engine.abort(rid)
+                self._abort(rid)
+
+    def _abort(self, rid: str, reason: str = "abort", error: str | None = None) -> None:
+        """Engine.abort, recorded for the other processes of a multi-process server."""
+        if self.engine.abort(rid, reason, error) and self.lockstep is not None:
+            self._applied.append(["abort", rid, reason, error])
+
+    def _sync(self, step: bool, stop: bool = False) -> bool:
+        """Multi-process: publish the commands applied since the last message and whether the engine steps (nothing
+        to publish when nothing changed and no step follows). False when the mesh has failed."""
+        if self.lockstep is None or not (self._applied or step or stop):
+            return True
+        try:
+            self.lockstep.publish(self._applied, step, stop)
+        except MeshFailure as e:
+            self.fail_mesh(str(e))
+            return False
+        self._applied = []
+        return True
+
+    def fail_mesh(self, reason: str) -> None:
+        """The mesh lost a process or fell out of step (any thread; once): every request in flight ends with
+        finish_reason "abort" and the reason, new ones are refused with it, the engine thread stops."""
+        with self._cv:
+            if self.stats.error is not None:
+                return
+            self.stats.error = f"the server's mesh failed: {reason}"
+            self._cv.notify()
+        log.error("%s", self.stats.error)
+        if self.lockstep is not None:
+            self.lockstep.fail(reason)       # its heartbeat tells the other processes to stop
+        now = time.monotonic()
+        for rid, t in list(self._tracked.items()):
+            _send(t, Delta(rid, [], True, "abort", self.stats.error, now))
 
     def _expire(self, now: float) -> None:
         """Finish every request past its deadline ("timeout"; the engine frees its slot)."""
@@ -258,7 +328,7 @@ class AsyncEngine:
             if t.deadline is not None and now >= t.deadline:
                 out = self.engine.outputs.get(rid)
                 n = len(out.tokens) if out is not None else 0
-                self.engine.abort(rid, "timeout", f"the request timed out after {t.timeout:g} s (the server's "
+                self._abort(rid, "timeout", f"the request timed out after {t.timeout:g} s (the server's "
                                                   f"--request-timeout) with {n} tokens generated; it was cancelled")
 
     def _fail_all(self, message: str) -> None:

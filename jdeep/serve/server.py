@@ -39,6 +39,7 @@ from ..runtime.engine import Engine
 from ..runtime.images import expand_image_prompt
 from .async_engine import AsyncEngine, QueueFull, RequestHandle
 from .chat_protocol import parse_chat
+from .lockstep import Lockstep
 from .openai_protocol import APIError, GenerationRequest, ServingContext, parse_completion, parse_json
 from .responses import (Choice, chat_chunk, chat_response, chat_role_chunk, completion_chunk, completion_response,
                         pick_best, req_prompt_text, usage, usage_chunk)
@@ -78,8 +79,8 @@ FAILED = ("error", "abort", "timeout")      # finish reasons that end a request 
 def _failure(finish_reason: str, error: str | None) -> APIError:
     """A request the server ended: "abort" (shutting down) -> 503, "timeout" (--request-timeout) -> 504, "error"
     (the engine failed) -> 500."""
-    if finish_reason == "abort":
-        return APIError(503, "the request was cancelled (the server is shutting down)", type="server_error")
+    if finish_reason == "abort":      # shutting down, or (with its reason) a multi-process server's failed mesh
+        return APIError(503, error or "the request was cancelled (the server is shutting down)", type="server_error")
     if finish_reason == "timeout":
         return APIError(504, error or "the request timed out", type="timeout_error", code="request_timeout")
     return APIError(500, error or "the engine failed while generating", type="server_error")
@@ -128,9 +129,17 @@ class _App:
 
     # ------------------------------------------------------------------ plain routes
     async def health(self, request: Request) -> Response:
-        ok = self.engine.stats.alive and not self.draining
-        return JSONResponse({"status": "ok" if ok else ("draining" if self.draining else "engine stopped")},
-                            status_code=200 if ok else 503)
+        """200 {"status": "ok", "processes": N, "in_step": true, ...} while serving; 503 with the reason otherwise.
+        A multi-process server adds "by_process": each process's heartbeat age and finished steps."""
+        st = self.engine.stats
+        ok = st.alive and st.error is None and not self.draining
+        body: dict[str, Any] = {"status": "ok" if ok else "draining" if self.draining else
+                                "mesh failed" if st.error else "engine stopped"}
+        if st.error:
+            body["error"] = st.error
+        lockstep = self.engine.lockstep
+        body.update(lockstep.status() if lockstep is not None else {"processes": 1, "in_step": ok})
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -328,10 +337,11 @@ def build_app(aengine: AsyncEngine, settings: ServerSettings):
 
 
 def make_server(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
-                shutdown_timeout: float = 30.0, log_level: str = "info"):
-    """A uvicorn Server for the engine: `server.run()` blocks until SIGINT/SIGTERM (or `server.should_exit`)."""
+                shutdown_timeout: float = 30.0, log_level: str = "info", lockstep: Lockstep | None = None):
+    """A uvicorn Server for the engine: `server.run()` blocks until SIGINT/SIGTERM (or `server.should_exit`).
+    lockstep: process 0's side of a multi-process server (serve/lockstep.py)."""
     max_waiting = settings.max_waiting if settings.max_waiting is not None else WAITING_PER_SLOT * engine.n_slots
-    aengine = AsyncEngine(engine, max_waiting=max_waiting)
+    aengine = AsyncEngine(engine, max_waiting=max_waiting, lockstep=lockstep)
     app = build_app(aengine, settings)
 
     class _Server(uvicorn.Server):
@@ -350,17 +360,17 @@ def make_server(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1
 
 
 def serve(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
-          shutdown_timeout: float = 30.0, log_level: str = "info") -> None:
-    make_server(engine, settings, host, port, shutdown_timeout, log_level).run()
+          shutdown_timeout: float = 30.0, log_level: str = "info", lockstep: Lockstep | None = None) -> None:
+    make_server(engine, settings, host, port, shutdown_timeout, log_level, lockstep).run()
 
 
 @contextlib.contextmanager
 def background_server(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 0,
-                      shutdown_timeout: float = 30.0, log_level: str = "warning"):
+                      shutdown_timeout: float = 30.0, log_level: str = "warning", lockstep: Lockstep | None = None):
     """Serve from a background thread (a notebook, tests): `with background_server(engine, settings) as (url,
     server):` with url = "http://HOST:PORT/v1" (port 0: a free one). Leaving the block shuts it down as a
     signal would (in-flight requests get `shutdown_timeout` seconds)."""
-    server = make_server(engine, settings, host, port, shutdown_timeout, log_level)
+    server = make_server(engine, settings, host, port, shutdown_timeout, log_level, lockstep)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))

@@ -41,6 +41,15 @@ class ServerMetrics:
         r.add(Gauge("jdeep_requests_waiting_limit", "Waiting requests beyond which new ones get 429 (-1: no limit)",
                     lambda: -1 if limit is None else limit))
         r.add(Gauge("jdeep_engine_steps_total", "Engine steps run", lambda: st.steps))
+        lockstep = aengine.lockstep
+        mesh = (lambda: lockstep.status()) if lockstep is not None else (
+            lambda: {"processes": 1, "by_process": [{"in_step": st.error is None}]})
+        r.add(Gauge("jdeep_mesh_processes", "Processes running the engine in lockstep (multi-process serving)",
+                    lambda: mesh()["processes"]))
+        r.add(Gauge("jdeep_mesh_processes_in_step", "Processes with a fresh heartbeat within a step of process 0",
+                    lambda: sum(p["in_step"] for p in mesh()["by_process"])))
+        r.add(Gauge("jdeep_mesh_failed", "1 once a process of the mesh died, stalled or fell out of step",
+                    lambda: int(st.error is not None)))
         tokens = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
         self.iteration_decode = r.add(Histogram("jdeep_iteration_decode_tokens",
                                                 "Tokens decoded in one engine iteration (one per running request)",
