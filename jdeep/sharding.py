@@ -223,6 +223,13 @@ class Layout:
     def constrain_replicated(self, x: jax.Array) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, self.replicated)
 
+    def constrain_logits(self, x: jax.Array) -> jax.Array:
+        """Logits [B, ..., V] as the step returns them (replicated), computed where the head's columns live: split
+        over the vocabulary (and the batch over `data`) first, so XLA gathers the logits, B x V, instead of the
+        whole head, d x V in fp32, on every step."""
+        split = self._spec(("batch",) + (None,) * (x.ndim - 2) + ("vocab",), x.shape)
+        return self.constrain_replicated(jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, split)))
+
     # ---------------------------------------------------------------- host <-> global arrays
     def put(self, x: Any, sharding: NamedSharding | None = None) -> jax.Array:
         """A host value (numpy, or a jax array) as a global array (default replicated over the mesh). Works

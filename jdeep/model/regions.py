@@ -124,7 +124,7 @@ def _make_program(name, config, plan, numerics, rows, kind, hash_moe, all_logits
     if name == "head":
         logits = functools.partial(head_logits, config=config, plan=plan, all_logits=all_logits)
         if layout is not None:      # logits replicated, as in the scan mode
-            logits = lambda *a, _f=logits: layout.constrain_replicated(_f(*a))
+            logits = lambda *a, _f=logits: layout.constrain_logits(_f(*a))
         if hidden:                  # also the final streams X [B, S, n, d] (what the MTP drafter reads)
             return jax.jit(lambda p, s, positions: (logits(p, s, positions), s.X))
         if tap:                     # also the DSpark taps, concatenated in layer order: [B, S, n_taps * d]

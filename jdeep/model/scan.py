@@ -155,7 +155,7 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
                          all_logits=all_logits)
     if layout is not None:
         new_state = layout.constrain_state(new_state)
-        logits = layout.constrain_replicated(logits)
+        logits = layout.constrain_logits(logits)
     outputs = (logits, new_state)
     if streams:
         recorded = {"block_out": jnp.stack(block_out)}

@@ -25,12 +25,13 @@ from jdeep.tools.random_weights import random_checkpoint
 
 PEER_TIMEOUT = 3.0
 ENGINE = ["--max-num-seqs", "4", "--max-len", "128", "--prefill-chunk", "16", "--seed", "0"]
-REQUESTS = [  # sampled requests carry seeds: a default seed depends on arrival order, which concurrency changes
-    {"prompt": [1, 5, 9, 33, 100, 7, 3], "max_tokens": 12},
+REQUESTS = [  # every request names its seed: OpenAI's default temperature is 1, and a default seed depends on the
+    # arrival order, which concurrency changes
+    {"prompt": [1, 5, 9, 33, 100, 7, 3], "max_tokens": 12, "temperature": 0},
     {"prompt": [4, 8, 15, 16, 23, 42, 2, 9, 77], "max_tokens": 9, "temperature": 0.9, "seed": 5},
     {"prompt": list(range(10, 40)), "max_tokens": 14, "temperature": 0.7, "top_k": 20, "seed": 11},
-    {"prompt": [7, 7, 7], "max_tokens": 10, "presence_penalty": 0.5},
-    {"prompt": [300, 301, 302, 303, 304], "max_tokens": 6},
+    {"prompt": [7, 7, 7], "max_tokens": 10, "temperature": 0, "presence_penalty": 0.5},
+    {"prompt": [300, 301, 302, 303, 304], "max_tokens": 6, "seed": 3},
 ]
 
 

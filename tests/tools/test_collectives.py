@@ -18,6 +18,7 @@ import pytest
 from conftest import GOLDEN_DIR, REPO, golden_path
 
 from jdeep.cli import main
+from jdeep.config import ModelConfig
 from jdeep.tools.collectives import KINDS, Volume, collectives_table, hlo_collectives, link_bytes, result_from_json
 
 F32 = 4
@@ -231,6 +232,15 @@ def test_planner_counts_collectives_of_repeated_layers(worker):
     """A model whose layer pairs repeat (a scan segment of several reps) on tensor=2,expert=4: the MoE's and the
     partitioner's collectives inside the layer scan run once per layer."""
     assert _check_against_own_count(worker, "deep") > 0
+
+
+def test_decode_gathers_logits_not_the_head(worker):
+    """The head is stored split by vocabulary over `tensor`: a decode step computes each device's logit columns and
+    gathers those (B x V), not the head's weights (d x V in fp32, 1.5 GB per device per step on V4-Flash before
+    sharding.Layout.constrain_logits)."""
+    cfg = ModelConfig.from_file(golden_path("v4-tiny-hf") / "config.json")
+    gathered = worker[1]["meshes"]["tensor=2,expert=4"]["decode"]["all-gather"]["payload"]
+    assert gathered < cfg.dim * (cfg.vocab_size // 2) * 4
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
