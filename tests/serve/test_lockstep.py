@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
 import threading
 import time
 import urllib.error
@@ -18,6 +19,7 @@ import pytest
 from conftest import golden_path
 
 import jdeep
+from jdeep.io.tokenizer import Tokenizer
 from jdeep.runtime.engine import Engine
 from jdeep.runtime.requests import Request, RequestError
 from jdeep.runtime.sampling import SamplingParams
@@ -25,6 +27,8 @@ from jdeep.serve.async_engine import AsyncEngine
 from jdeep.serve.lockstep import Lockstep, MeshFailure, StoreTimeout, follow
 from jdeep.serve.server import ServerSettings, background_server
 from jdeep.serve.wire import request_from_wire, request_to_wire
+from jdeep.speculative.engine import make_engine
+from jdeep.tools.random_weights import write_word_tokenizer
 
 MAX_LEN = 64
 
@@ -67,7 +71,7 @@ def _engine(model) -> Engine:
     return Engine(model, max_num_seqs=2, max_len=MAX_LEN, prefill_chunk=16, seed=7)
 
 
-def _pair(model, store: MemoryStore, peer_timeout: float = 30.0, interval: float = 0.05):
+def _pair(store: MemoryStore, peer_timeout: float = 30.0, interval: float = 0.05):
     leader = Lockstep(store, 0, 2, interval=interval, peer_timeout=peer_timeout)
     follower = Lockstep(store, 1, 2, interval=interval, peer_timeout=peer_timeout)
     return leader, follower
@@ -109,58 +113,99 @@ def test_sampling_params_travel_exactly():
         request_from_wire({"ids": [1], "params": {"temperature": 0.0, "beam_width": 4}, "stop_ids": []})
 
 
-def test_follower_replays_process_0(model):
-    """Concurrent requests (greedy, default seeds, explicit seeds, penalties, stop ids), one aborted by its client
-    after its first token and one past its timeout: the follower finishes every request with process 0's tokens
-    and finish reason, stops with process 0, and the store keeps no message but the last (the stop)."""
+@pytest.fixture(scope="module")
+def word_tokenizer(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    write_word_tokenizer(str(path), model.config.vocab_size)
+    return Tokenizer(path)
+
+
+def _replay(leader_engine: Engine, follower_engine: Engine, requests: list) -> tuple[dict, dict, MemoryStore, Lockstep]:
+    """Process 0 (an AsyncEngine with the leader's side) and a follower thread over one store. requests: (prompt,
+    SamplingParams, timeout) submitted together, each on its own queue; the first one is aborted by its client after
+    its first delta. Returns process 0's (tokens, finish reason, text) per request id and the follower's outputs."""
     store = MemoryStore()
-    leader, follower = _pair(model, store)
-    replay = _Replay(_engine(model), follower)
-    aengine = AsyncEngine(_engine(model), lockstep=leader)
+    leader, follower = _pair(store)
+    replay = _Replay(follower_engine, follower)
+    aengine = AsyncEngine(leader_engine, lockstep=leader)
     for ls in (leader, follower):
         ls.start()
     threading.Thread(target=follower.handshake, args=({"a": 1},), daemon=True).start()
     leader.handshake({"a": 1})
     replay.start()
     aengine.start()
-    prompts = [[0, 5, 9, 17, 33], [0, 40, 41], [0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 8], [0, 3]]
-    params = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=10, temperature=0.9),
-              SamplingParams(max_new_tokens=8, temperature=1.0, seed=99, presence_penalty=0.5),
-              SamplingParams(max_new_tokens=12, temperature=0.8, top_k=4, stop_token_ids=(11,))]
 
     async def run():
-        handles = [aengine.submit(aengine.check(p, s)) for p, s in zip(prompts, params)]
-        aborted = aengine.submit(aengine.check([0, 6, 6], SamplingParams(max_new_tokens=30)))
-        timed = aengine.submit(aengine.check([0, 9], SamplingParams(max_new_tokens=30)), timeout=0.0)
+        handles = [aengine.submit(aengine.check(p, s), timeout=t) for p, s, t in requests]
         got = {}
-        for h in handles + [timed]:
-            toks, last = [], None
+        first = await handles[0].queue.get()
+        handles[0].abort()
+        got[handles[0].request_id] = (first.tokens, "abort", None)
+        for h in handles[1:]:
+            toks, text, last = [], "", None
             async for d in h:
-                toks += d.tokens
-                last = d
-            got[h.request_id] = (toks, last.finish_reason)
-        first = await aborted.queue.get()
-        aborted.abort()
-        got[aborted.request_id] = (first.tokens, "abort")
+                toks, text, last = toks + d.tokens, text + d.text, d
+            got[h.request_id] = (toks, last.finish_reason, text)
         return got
 
     got = asyncio.run(run())
     aengine.stop()
-    replay.join(30)
+    replay.join(60)
     assert replay.error is None and not replay.is_alive()
-    assert {rid: (out.tokens, out.finish_reason) for rid, out in replay.finished.items()
-            if rid != "req-5"} == {rid: v for rid, v in got.items() if rid != "req-5"}
-    assert replay.finished["req-5"].finish_reason == "abort"          # aborted after at least its first token
-    assert got["req-6"][1] == "timeout" and replay.finished["req-6"].finish_reason == "timeout"
-    assert len({tuple(t) for t, _ in got.values()}) == len(got)      # the requests really differ
+    return got, replay.finished, store, leader
+
+
+def _assert_same(got: dict, finished: dict) -> None:
+    aborted = next(iter(got))
+    assert finished[aborted].finish_reason == "abort"       # after at least its first token: not compared
+    assert {rid: (out.tokens, out.finish_reason) for rid, out in finished.items() if rid != aborted} == \
+        {rid: (t, r) for rid, (t, r, _) in got.items() if rid != aborted}
+    others = [t for rid, (t, r, _) in got.items() if rid != aborted and r != "timeout"]
+    assert len({tuple(t) for t in others}) == len(others)       # the requests really differ
+
+
+def test_follower_replays_process_0(model, word_tokenizer):
+    """Concurrent requests (greedy, default seeds, explicit seeds, penalties, stop ids, a stop string matched on the
+    text), one aborted by its client after its first token and one past its timeout: the follower finishes every
+    request with process 0's tokens and finish reason, stops with process 0, and the store keeps no message but the
+    last (the stop)."""
+    eng = lambda: Engine(model, max_num_seqs=2, max_len=MAX_LEN, prefill_chunk=16, seed=7, tokenizer=word_tokenizer)
+    plain = jdeep.generate(model, [[0, 5, 9, 17, 33]], max_new_tokens=12).tokens[0].tolist()
+    stop = f"tok{plain[4]}"                      # the greedy text's fifth word ends that request
+    requests = [([0, 6, 6], SamplingParams(max_new_tokens=30), None),
+                ([0, 5, 9, 17, 33], SamplingParams(max_new_tokens=12), None),
+                ([0, 40, 41], SamplingParams(max_new_tokens=10, temperature=0.9), None),
+                ([0] + [7] * 18 + [8], SamplingParams(max_new_tokens=8, temperature=1.0, seed=99, presence_penalty=0.5),
+                 None),
+                ([0, 3], SamplingParams(max_new_tokens=12, temperature=0.8, top_k=4, stop_token_ids=(11,)), None),
+                ([0, 5, 9, 17, 33], SamplingParams(max_new_tokens=12, stop=(stop,)), None),
+                ([0, 9], SamplingParams(max_new_tokens=30), 0.0)]
+    got, finished, store, leader = _replay(eng(), eng(), requests)
+    _assert_same(got, finished)
+    by_stop = got["req-6"]
+    assert by_stop[1] == "stop" and len(by_stop[0]) == 5 and stop not in by_stop[2]
+    assert got["req-7"][1] == "timeout" and finished["req-7"].finish_reason == "timeout"
     time.sleep(0.3)                                                   # the follower's last heartbeat
     leader._watch(time.monotonic())
     assert [k for k in store.data if "/step/" in k] == [f"jdeep/serve/step/{leader.sent - 1}"]   # the stop message
 
 
+def test_follower_replays_a_speculative_engine():
+    """The MTP speculative engine (several tokens per step) replays the same way."""
+    demo = jdeep.load(pathlib.Path(jdeep.__file__).parent / "demo_model", mtp=True, quantize_activations=False)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    eng = lambda: make_engine(demo, spec, max_num_seqs=2, max_len=96, prefill_chunk=16, ignore_eos=True)
+    ids = demo.tokenizer.encode("def add(a, b):\n    return")
+    requests = [(ids, SamplingParams(max_new_tokens=20), None),
+                (ids, SamplingParams(max_new_tokens=10), None),
+                (ids[:5], SamplingParams(max_new_tokens=9, temperature=0.8, seed=4), None)]
+    got, finished, _, _ = _replay(eng(), eng(), requests)
+    _assert_same(got, finished)
+
+
 def test_different_engines_are_named(model):
     store = MemoryStore()
-    leader, follower = _pair(model, store)
+    leader, follower = _pair(store)
     errors = []
 
     def join():
@@ -180,7 +225,7 @@ def test_different_engines_are_named(model):
 
 def test_a_follower_out_of_step_stops(model):
     store = MemoryStore()
-    _, follower = _pair(model, store)
+    _, follower = _pair(store)
     engine = _engine(model)
     engine.add_request([0, 5, 9])               # work process 0 does not know about
     store.set("jdeep/serve/step/0", json.dumps({"n": 0, "cmds": [], "step": False, "stop": False}))
@@ -193,7 +238,7 @@ def test_a_lost_heartbeat_fails_the_mesh_with_503(model):
     whose peer died): /health and new requests answer 503 naming process 1 within the peer timeout, and the
     request in flight ends with 503 instead of hanging."""
     store = MemoryStore()
-    leader, follower = _pair(model, store, peer_timeout=0.5)
+    leader, follower = _pair(store, peer_timeout=0.5)
     for ls in (leader, follower):
         ls.start()
     engine = _engine(model)
