@@ -16,7 +16,8 @@ traffic on the device links every step) and cannot time out, so a dead peer woul
 of any size in one RPC (about 0.5 ms on one host), its reads take a timeout, and its failures say which side is gone.
 
 Liveness: every process writes a heartbeat (a counter and the messages it has finished) every `interval` seconds from
-a thread of its own, so a long compile does not stop it. Process 0 declares the mesh failed when a follower's
+a thread of its own, so a long compile does not stop it, and reads the others' from another (a write to a stopped
+process 0's store never returns; the reads time out). Process 0 declares the mesh failed when a follower's
 heartbeat has not changed for `peer_timeout` seconds, or when a publish or a step fails; its server then answers 503
 to new requests, ends the requests in flight with the reason and reports it on /health. A multi-controller program
 cannot go on without one of its processes, so nothing recovers: every process must be restarted. A follower exits
@@ -155,19 +156,20 @@ class Lockstep:
         self.peers = {i: PeerStatus(i) for i in watched}
         self._beat = 0
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def _key(self, *parts: Any) -> str:
         return "/".join((PREFIX,) + tuple(str(p) for p in parts))
 
     # ------------------------------------------------------------------ heartbeats (their own thread)
     def start(self) -> "Lockstep":
-        self._thread = threading.Thread(target=self._pulse, name="jdeep-heartbeat", daemon=True)
-        self._thread.start()
+        """Start beating and watching, each on its own thread: a write to a stopped process 0's store never returns
+        (the store's writes take no timeout), and the watcher, whose reads do, must still notice it."""
+        for name, loop in (("jdeep-heartbeat", self._beat_loop), ("jdeep-watchdog", self._watch_loop)):
+            threading.Thread(target=loop, name=name, daemon=True).start()
         return self
 
     def stop(self) -> None:
-        """End the heartbeats."""
+        """End the heartbeats and the watching."""
         self._stop.set()
 
     def close(self, timeout: float = 30.0) -> bool:
@@ -180,20 +182,27 @@ class Lockstep:
             return True
         return self.store.disconnected(self.n_processes, timeout)
 
-    def _pulse(self) -> None:
+    def _beat_loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                self._beat += 1
-                beat = {"beat": self._beat, "steps": self.completed}
-                if self.failure is not None and self.leader:
-                    beat["failed"] = self.failure
-                self.store.set(self._key("alive", self.process_id), json.dumps(beat))
-                self._watch(time.monotonic())
-            except MeshFailure as e:
-                if self._stop.is_set():         # the server stopped while this beat was on its way
-                    return
-                self.fail(str(e))
+            self._beat += 1
+            beat = {"beat": self._beat, "steps": self.completed}
+            if self.failure is not None and self.leader:
+                beat["failed"] = self.failure
+            self._guarded(lambda: self.store.set(self._key("alive", self.process_id), json.dumps(beat)))
             self._stop.wait(self.interval)
+
+    def _watch_loop(self) -> None:
+        while not self._stop.is_set():
+            self._guarded(lambda: self._watch(time.monotonic()))
+            self._stop.wait(self.interval)
+
+    def _guarded(self, fn: Callable[[], None]) -> None:
+        """Run one store operation; a lost store fails the mesh (unless the server is stopping anyway)."""
+        try:
+            fn()
+        except MeshFailure as e:
+            if not self._stop.is_set():
+                self.fail(str(e))
 
     def _watch(self, now: float) -> None:
         """Read the watched processes' heartbeats; fail the mesh for one unchanged past the peer timeout."""

@@ -191,3 +191,18 @@ def test_sigterm_to_process_0_stops_both_cleanly(model_dir, tmp_path):
         assert "Terminating process" not in log and "Check failure" not in log, log
     finally:
         d.close()
+
+
+def test_a_stopped_process_0_ends_the_follower(model_dir, tmp_path):
+    """SIGSTOP on process 0 (a stall: its store answers nothing, a write to it never returns): process 1 exits with
+    the reason within seconds instead of waiting for the runtime's own 100 s heartbeat timeout."""
+    d = Deployment(model_dir, tmp_path)
+    try:
+        d.procs[0].send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        code = d.procs[1].wait(PEER_TIMEOUT + 30)
+        assert time.monotonic() - t0 < PEER_TIMEOUT + 5
+        assert code == 1 and "process 0 (the server) sent no heartbeat" in d.stderr(1)
+    finally:
+        d.procs[0].send_signal(signal.SIGCONT)
+        d.close()
