@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .config import ConfigError, ModelConfig
 from .kernels.codecs import E4M3_TRN2_MAX, E4M3FN_MAX
-from .kernels.registry import fence_gemm_inputs, pair_kernel_limit, skip_padding_tiles
+from .kernels.registry import fence_gemm_inputs, native_gemm_rows, pair_kernel_limit, skip_padding_tiles
 from .param_spec import FP4_BLOCK, weight_formats
 
 __all__ = ["Numerics"]
@@ -38,6 +38,8 @@ class Numerics:
                                                  # platform's, kernels.fence_gemm_inputs: on CPU)
     skip_padding_tiles: bool = False             # grouped MoE loops over the used tiles only (a routing-dependent
                                                  # trip: kernels.skip_padding_tiles, on CPU; Neuron needs static trips)
+    native_gemm_rows: int = 0                    # products of 2..this many rows run the native CPU kernel
+                                                 # (kernels.native_gemm_rows: on CPU; 0 on a mesh, which it can't split)
 
     @classmethod
     def for_config(cls, config: ModelConfig, quantize_activations: bool | None = None,
@@ -45,7 +47,7 @@ class Numerics:
                    ) -> "Numerics":
         """Defaults: DeepSeek's numerics for a quantized checkpoint, plain float otherwise. `platform` (default:
         JAX's backend) is the one the programs are built for; it sets the decode MoE's kernel choice, the GEMM
-        input fence and the grouped MoE's trip."""
+        input fence, the grouped MoE's trip and the native CPU products."""
         dense_fmt, _, block = weight_formats(config)
         quantized = dense_fmt != "float"
         if quantize_activations is None:
@@ -59,7 +61,7 @@ class Numerics:
                  kv_block=32 if config.is_v41 else 64, fp8_max=float(fp8_max),
                  trn2_weights=quantized and fp8_max < E4M3FN_MAX, packed_kv=bool(packed_kv), v41=config.is_v41,
                  pair_kernel_limit=pair_kernel_limit(platform), fence_gemm_inputs=fence_gemm_inputs(platform),
-                 skip_padding_tiles=skip_padding_tiles(platform))
+                 skip_padding_tiles=skip_padding_tiles(platform), native_gemm_rows=native_gemm_rows(platform))
         nx._check(config, quantized)
         return nx
 

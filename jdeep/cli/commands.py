@@ -4,6 +4,7 @@ convert, check-graph and export, each `cmd_<name>(args) -> exit code` (chat.py: 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -379,6 +380,8 @@ def cmd_check_graph(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     target = _graph_target(args)
+    # an exported program runs where jdeep's native CPU kernel (an FFI custom call of this process) is not registered
+    target = dataclasses.replace(target, numerics=dataclasses.replace(target.numerics, native_gemm_rows=0))
     programs = model_programs(target, batch_sizes(args.batch_sizes), args.prefill_len, args.max_len)
     if args.speculative_tokens is not None:
         programs += speculative_programs(target, batch_sizes(args.batch_sizes), args.speculative_tokens,

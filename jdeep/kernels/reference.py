@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .linear import dequant, from_bits, linear_f32, stack_dims
+from .linear import dequant, from_bits, in_place, linear_f32, product, stack_dims
 from .quant import dequant_fp8, gemm_input
 from .registry import register
 
@@ -160,6 +160,16 @@ def _weights(w, select, numerics, dtype) -> jax.Array:
     return dequant({k: select(v) for k, v in w.items()}, numerics, dtype)
 
 
+def _expert_matrices(ws, layer: jax.Array, e: jax.Array, numerics, dtype, x: jax.Array) -> tuple:
+    """Expert e's matrices of layer `layer` from the [R, E, ...] stacks ws, for a product with x's rows: read in
+    place by the native CPU kernel where it runs (kernels.linear.in_place), else sliced out (and decoded)."""
+    def one(w):
+        m = in_place(w, (layer, e), x, numerics, dtype)
+        return m if m is not None else _weights(w, lambda a: _expert(a, layer, e), numerics, dtype)
+
+    return tuple(one(w) for w in ws)
+
+
 def stacked_experts(w1) -> int:
     """The expert axis length of a stacked [R, E, ...] expert weight (float array or quantized leaves)."""
     return stack_dims(w1, 2)[1]
@@ -173,16 +183,15 @@ def _expert(a: jax.Array, layer: jax.Array, e: jax.Array) -> jax.Array:
 
 def expert_gate_up(x: jax.Array, W1: jax.Array, W3: jax.Array, limit: float, weight=None) -> jax.Array:
     """An expert's first half on its rows: swiglu(x W1ᵀ, x W3ᵀ) (· weight, broadcast against [..., I]) in fp32.
-    x [..., d], W1, W3 [I, d] (decoded) -> fp32 [..., I]: the `a` before its cast and act-quant."""
-    h1 = jnp.einsum("...d,id->...i", x, W1, precision=HIGHEST, preferred_element_type=jnp.float32)
-    h3 = jnp.einsum("...d,id->...i", x, W3, precision=HIGHEST, preferred_element_type=jnp.float32)
+    x [..., d], W1, W3 [I, d] (decoded, or linear.InPlace) -> fp32 [..., I]: the `a` before its cast and act-quant."""
+    h1, h3 = product(x, W1), product(x, W3)
     a = _swiglu(h1, h3, limit)
     return a if weight is None else a * weight
 
 
 def expert_down(a: jax.Array, W2: jax.Array) -> jax.Array:
     """An expert's second half: a [..., I] (cast and act-quantised) · W2ᵀ, W2 [d, I] -> fp32 [..., d]."""
-    return jnp.einsum("...i,di->...d", a, W2, precision=HIGHEST, preferred_element_type=jnp.float32)
+    return product(a, W2)
 
 
 class ExpertGroups(NamedTuple):
@@ -356,10 +365,7 @@ def _grouped_tiles(rows: jax.Array, wts: jax.Array, g: ExpertGroups, x_dtype, w1
     wts = wts.reshape(g.n_tiles, g.tile)
 
     def one_tile(xt, wt, e):
-        def pick(a):
-            return _expert(a, layer, e)
-
-        W1, W3, W2 = (_weights(w, pick, numerics, x_dtype) for w in (w1, w3, w2))   # [I, d], [I, d], [d, I]
+        W1, W3, W2 = _expert_matrices((w1, w3, w2), layer, e, numerics, x_dtype, xt)   # [I, d], [I, d], [d, I]
         a = _act(expert_gate_up(xt, W1, W3, limit, wt[:, None]).astype(x_dtype), numerics, q)
         return expert_down(a, W2)
 
@@ -411,10 +417,7 @@ def moe_experts_dense(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w
     xa = _act(x, numerics, q)
 
     def one_expert(acc, e):
-        def pick(a):
-            return _expert(a, layer, e)
-
-        W1, W3, W2 = (_weights(w, pick, numerics, x.dtype) for w in (w1, w3, w2))   # [I, d], [I, d], [d, I]
+        W1, W3, W2 = _expert_matrices((w1, w3, w2), layer, e, numerics, x.dtype, xa)   # [I, d], [I, d], [d, I]
         a = _act(expert_gate_up(xa, W1, W3, limit, dense_weight(idx, weight, e)[:, None]).astype(x.dtype),
                  numerics, q)
         return acc + expert_down(a, W2), None
@@ -426,8 +429,9 @@ def moe_experts_dense(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w
 @register("shared_expert")
 def shared_expert(x: jax.Array, w1, w2, w3, limit: float, numerics=None) -> jax.Array:
     """The always-on SwiGLU expert: x [..., d] -> fp32 [..., d] (float or quantized weights)."""
-    W1, W3, W2 = (_weights(w, lambda a: a, numerics, x.dtype) for w in (w1, w3, w2))
     xa = _act(x, numerics, isinstance(w1, dict))
+    W1, W3, W2 = (in_place(w, (), xa, numerics, x.dtype) or _weights(w, lambda a: a, numerics, x.dtype)
+                  for w in (w1, w3, w2))
     a = expert_gate_up(xa, W1, W3, limit).astype(x.dtype)
     a = _act(a, numerics, isinstance(w2, dict))
     return expert_down(a, W2)

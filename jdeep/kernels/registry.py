@@ -13,8 +13,10 @@ from typing import Callable
 
 import jax
 
+from . import cpu
+
 __all__ = ["register", "get", "registered", "implementation", "weight_format", "pair_kernel_limit",
-           "bf16_weights_as_bits", "fence_gemm_inputs", "skip_padding_tiles"]
+           "bf16_weights_as_bits", "fence_gemm_inputs", "skip_padding_tiles", "native_gemm_rows"]
 
 _IMPLS: dict[str, dict[str, Callable]] = {}
 _NEURON_LOADED = False
@@ -106,3 +108,13 @@ def skip_padding_tiles(backend: str | None = None) -> bool:
     chunk of 32 experts they are a quarter of the tiles (docs/performance.md). Neuron needs static trip counts
     (neuron-notes S3), and XLA:GPU reads a while loop's predicate back to the host at every trip: CPU only."""
     return (backend or _backend()) == "cpu"
+
+
+def native_gemm_rows(backend: str | None = None) -> int:
+    """Products of 2 to this many rows run jdeep's native CPU kernel (kernels.cpu.rows_gemm) on `backend` (default:
+    JAX's); 0 = none. XLA:CPU's products with 2-16 rows run at a fifth of bandwidth after copying a weight sliced
+    out of its stack; the kernel reads the weight where it lies (docs/performance.md). CPU only, and only where
+    the kernel could be built (a C++ compiler; kernels/cpu/build.py): elsewhere XLA's products run."""
+    if (backend or _backend()) != "cpu":
+        return 0
+    return cpu.MAX_ROWS if cpu.available() else 0

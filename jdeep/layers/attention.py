@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import kernels
 from ..config import AttentionKind, ModelConfig
+from ..kernels.linear import grouped, in_place, materialized, native_rows, product
 from ..kernels.quant import fp8_fake_quant
 from ..numerics import Numerics
 from .chunk import Chunk
@@ -100,7 +101,7 @@ def attention(p: dict, st: dict, layer: jax.Array, x: jax.Array, chunk: Chunk, *
     if m > 0:
         ckv, cbuf_kv, cbuf_sc = compress_chunk(
             x, p["compressor"], st["ckv"], st["cbuf_kv"], st["cbuf_score"], layer, chunk,
-            ratio=m, overlap=kind.overlap, freqs=freqs, norm_eps=eps, qat=qat, store=store)
+            ratio=m, overlap=kind.overlap, freqs=freqs, norm_eps=eps, qat=qat, store=store, numerics=numerics)
         st = {**st, "ckv": ckv, "cbuf_kv": cbuf_kv, "cbuf_score": cbuf_sc}
         entries = ckv[layer]                                                 # [B, Tc+1, D | record]
         if kind.has_indexer:
@@ -142,7 +143,12 @@ def output_projection(o: jax.Array, p: dict, chunk: Chunk, *, config: ModelConfi
     B, S, H, D = o.shape
     o = apply_rope(o, chunk.positions[..., None], freqs, inverse=True)
     G = config.o_groups
-    wo_a = p["wo_a"].reshape(G, config.o_lora_rank, H * D // G)
-    u = jnp.einsum("bsgk,gok->bsgo", o.reshape(B, S, G, H * D // G), wo_a,
-                   precision=HIGHEST, preferred_element_type=jnp.float32).astype(dtype)
+    o = o.reshape(B, S, G, H * D // G)
+    wo_a = grouped(p["wo_a"], (G, config.o_lora_rank, H * D // G))
+    if native_rows(o[:, :, 0], wo_a, numerics):     # each group's product reads its [O, K] block in place
+        u = jnp.stack([product(o[:, :, g], in_place(wo_a, (g,), o[:, :, g], numerics)) for g in range(G)],
+                      axis=2).astype(dtype)
+    else:
+        u = jnp.einsum("bsgk,gok->bsgo", o, materialized(wo_a), precision=HIGHEST,
+                       preferred_element_type=jnp.float32).astype(dtype)
     return dense(u.reshape(B, S, G * config.o_lora_rank), p["wo_b"], numerics)

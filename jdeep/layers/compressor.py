@@ -76,18 +76,20 @@ def pool_chunk(a: jax.Array, z: jax.Array, buf_kv: jax.Array, buf_score: jax.Arr
 def compress_chunk(x: jax.Array, p: dict, cache: jax.Array, buf_kv: jax.Array, buf_score: jax.Array,
                    layer: jax.Array, chunk: Chunk, *, ratio: int, overlap: bool, freqs: np.ndarray,
                    norm_eps: float, qat: Callable[[jax.Array], jax.Array] | None = None,
-                   store: Callable[[jax.Array], jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   store: Callable[[jax.Array], jax.Array] | None = None, numerics=None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Emit the compressed entries completed by this chunk and advance the compressor ring (V4).
 
     x: [B, S, d] attention input (after attn_norm). p: wkv, wgate [c*Dc, d], ape [m, c*Dc], norm [Dc].
     cache: [R, B, Tc+1, Dc]; buf_kv, buf_score: [R, B, Rc+1, c*Dc] fp32 (stacked layer-major; `layer`
     selects the row). `qat` simulates the entry's storage precision after RoPE (DeepSeek's numerics);
-    `store` turns entries into cache rows (packed records) before the write.
+    `store` turns entries into cache rows (packed records) before the write. numerics: the platform's product
+    choices (kernels.linear.native_rows).
     Returns the updated (cache, buf_kv, buf_score).
     """
     m = ratio
-    a = linear_f32(x, p["wkv"])                                   # [B, S, c*Dc]
-    z = linear_f32(x, p["wgate"]) + p["ape"][chunk.positions % m]
+    a = linear_f32(x, p["wkv"], numerics)                         # [B, S, c*Dc]
+    z = linear_f32(x, p["wgate"], numerics) + p["ape"][chunk.positions % m]
     tc = cache.shape[2] - 1
     pooled, g, g_valid, buf_kv, buf_score = pool_chunk(a, z, buf_kv, buf_score, layer, chunk, ratio=m,
                                                        overlap=overlap, n_entries=tc)

@@ -41,7 +41,7 @@ def index_select(x: jax.Array, q_latent: jax.Array, p: dict, st: dict, layer: ja
             return fp4_fake_quant(hadamard(v), numerics.fp4_block)
     ikeys, ibuf_kv, ibuf_sc = compress_chunk(
         x, p["compressor"], st["ikeys"], st["ibuf_kv"], st["ibuf_score"], layer, chunk,
-        ratio=ratio, overlap=True, freqs=freqs, norm_eps=config.norm_eps, qat=qat)
+        ratio=ratio, overlap=True, freqs=freqs, norm_eps=config.norm_eps, qat=qat, numerics=numerics)
     st = {**st, "ikeys": ikeys, "ibuf_kv": ibuf_kv, "ibuf_score": ibuf_sc}
 
     q = dense(q_latent, p["wq_b"], numerics).reshape(B, S, nI, DI)

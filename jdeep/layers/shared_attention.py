@@ -73,18 +73,18 @@ def compress_source(x: jax.Array, p: dict, src: dict, row: jax.Array, chunk: Chu
     pc, pi = p["compressor"], p["indexer"]
     tc = src["ckv"].shape[2] - 1
     if m == 1:   # every token is its own group: no gate, a plain bf16 projection
-        latent = rms_norm(linear(x, pc["wkv"]), pc["norm"], eps)
+        latent = rms_norm(linear(x, pc["wkv"], numerics), pc["norm"], eps)
         g = chunk.positions
         g_valid = chunk.valid & (g < tc)
     else:
-        a, z = linear_f32(x, pc["wkv"]), linear_f32(x, pc["wgate"])
+        a, z = linear_f32(x, pc["wkv"], numerics), linear_f32(x, pc["wgate"], numerics)
         pooled, g, g_valid, buf_kv, buf_sc = pool_chunk(a, z, src["cbuf_kv"], src["cbuf_score"], row, chunk,
                                                         ratio=m, overlap=False, n_entries=tc)
         src = {**src, "cbuf_kv": buf_kv, "cbuf_score": buf_sc}
         latent = rms_norm(pooled.astype(x.dtype), pc["norm"], eps)
     entry_pos = g * m
     kv = apply_rope(latent, entry_pos, freqs)
-    key = apply_rope(rms_norm(linear(latent, pi["wk"]), pi["k_norm"], eps), entry_pos, freqs)
+    key = apply_rope(rms_norm(linear(latent, pi["wk"], numerics), pi["k_norm"], eps), entry_pos, freqs)
     if numerics.packed_kv:     # records quantise the raw values: decoding gives the QAT'd ones exactly
         kv = kernels.get("encode_ckv_v41")(kv, numerics.ckv_fp4_block)
         key = kernels.get("encode_ikey_v41")(key, numerics.fp4_block)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..arenas import split_experts, unpacked
 from ..config import ModelConfig
-from ..kernels.linear import from_bits
+from ..kernels.linear import InPlace, from_bits
 from ..layers.block import Streams, block
 from ..layers.chunk import make_chunk
 from ..layers.head import embed_streams, head_keys, head_logits, require_engram
@@ -56,6 +56,40 @@ def segment_inputs(seg: Segment, config: ModelConfig, engram: tuple | None, tap_
     return aux
 
 
+# Per-layer weight matrices that only products read (layers.linear.dense, kernels.linear.linear / linear_f32, the
+# shared expert, the grouped wo_a): in a step the native CPU kernel runs, they are read in place from their stacks.
+_PRODUCT_WEIGHTS = frozenset({"wq_a", "wq_b", "wkv", "wo_a", "wo_b", "wgate", "wk", "w1", "w2", "w3"})
+
+
+def _product_weight(path, leaf) -> bool:
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    if keys and keys[-1] == "decoded":
+        keys = keys[:-1]
+    return bool(keys) and keys[-1] in _PRODUCT_WEIGHTS and leaf.ndim >= 3 and \
+        leaf.dtype in (jnp.float32, jnp.bfloat16, jnp.uint16)
+
+
+def _split_in_place(slot, numerics: Numerics, rows: int) -> tuple[list, list, Any]:
+    """One slot's per-layer params [R, ...] as (scanned leaves, resident leaves, treedef): where this step's products
+    of `rows` rows run the native CPU kernel (Numerics.native_gemm_rows), the product weight matrices stay out of the
+    scan's sliced inputs (None there) and are read in place at the layer's index (`_layer_params`); XLA:CPU would
+    otherwise copy each one out of its stack for every layer (docs/performance.md). Otherwise all are scanned."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(slot)
+    native = (isinstance(slot, dict) and numerics.native_gemm_rows and 2 <= rows <= numerics.native_gemm_rows)
+    resident = [leaf if native and _product_weight(path, leaf) else None for path, leaf in flat]
+    scanned = [None if res is not None else leaf for res, (_, leaf) in zip(resident, flat)]
+    return scanned, resident, treedef
+
+
+def _layer_params(scanned: list, resident: list, treedef, r: jax.Array):
+    """One layer's params from _split_in_place's parts: the scanned slices (bf16 bits bitcast back), the resident
+    matrices as InPlace(stack, (r,))."""
+    if all(res is None for res in resident):       # a Packed arena is unpacked before its bits are bitcast
+        return jax.tree_util.tree_map(from_bits, unpacked(jax.tree_util.tree_unflatten(treedef, scanned)))
+    leaves = [InPlace(res, (r,)) if res is not None else from_bits(sl) for sl, res in zip(scanned, resident)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
 def _take_tap(taps: jax.Array, tap: jax.Array, X: jax.Array) -> jax.Array:
     """taps [B, S, n_taps, d] with entry `tap` (traced int32; -1 = this layer is no target) set to mean_i X_i
     (X [B, S, n, d], the streams entering the layer)."""
@@ -70,7 +104,8 @@ def _run_segment(seg: Segment, seg_params: list, seg_state: list, sources: dict,
     objective fp32 [2] summed over the segment's indexer layers (None without index_loss), taps (the
     accumulator [B, S, n_taps, d] with this segment's target layers filled in; None without taps))."""
     split = [slot_params(sp) for sp in seg_params]
-    per_layer = [s[0] for s in split]
+    parts = [_split_in_place(s[0], numerics, chunk.tokens.size) for s in split]
+    per_layer = [p[0] for p in parts]
     experts = [s[1] for s in split]
     freqs = [inv_freq(config.rope_for(kind.attn), config.rope_head_dim) for kind in seg.pattern]
 
@@ -85,7 +120,7 @@ def _run_segment(seg: Segment, seg_params: list, seg_state: list, sources: dict,
             # a tap reads the streams entering the layer after its Engram update, which block records first
             seen = outs if outs is not None else ([] if taps is not None and kind.engram else None)
             first_seen, entering = len(seen or ()), streams.X
-            layer_params = jax.tree_util.tree_map(from_bits, unpacked(p_slots[j]))    # bf16 weights carried as bits
+            layer_params = _layer_params(p_slots[j], parts[j][1], parts[j][2], r)
             streams, st[j], sources = block(layer_params, experts[j], st[j], sources, r, a.get("row"),
                                             streams, a.get("engram"), chunk, config=config, numerics=numerics,
                                             kind=kind, freqs=freqs[j], record=seen, layout=layout, losses=losses)

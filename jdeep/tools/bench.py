@@ -11,7 +11,7 @@ fraction divides that by a streaming-read bandwidth measured on the same device 
 
 JSON schema "jdeep.bench/1" (stable; fields only ever added):
     {"schema", "model": {"config", "dtype", "weight_bytes", "kv_bytes_per_token", "state_fixed_bytes",
-                         "compile_mode", "host_embedding"},
+                         "compile_mode", "host_embedding", "native_gemm_rows"},   # native_gemm_rows: added
      "machine": {"backend", "device", "measured_bandwidth_gbs"},
      "runs": [{"batch_size", "input_len", "output_len", "compile_s": {"prefill", "decode"}, "ttft_s",
                "prefill_tok_s", "itl_ms": {"mean", "p50", "p99"}, "decode_tok_s_per_seq", "decode_tok_s",
@@ -193,6 +193,7 @@ def result_head(model: Model, bandwidth_gbs: float | None) -> dict:
         "model": {"config": cfg.to_dict(), "dtype": np.dtype(model.dtype).name,
                   "weight_bytes": _weight_bytes(model.params)[0], "compile_mode": model.compile_mode,
                   "host_embedding": model.host_embed is not None,
+                  "native_gemm_rows": model.numerics.native_gemm_rows,
                   "kv_bytes_per_token": kv_bytes_per_token(cfg, model.dtype, model.numerics),
                   "state_fixed_bytes": state_bytes(cfg, model.plan, 1, 0, model.dtype, model.numerics)},
         "machine": {"backend": jax.default_backend(), "device": str(jax.devices()[0]),
@@ -292,7 +293,8 @@ def format_report(result: dict) -> str:
     m = result["model"]
     lines = [f"weights {m['weight_bytes'] / 2**20:.1f} MiB ({m['dtype']}), state {m['kv_bytes_per_token']:.0f} B/token "
              f"+ {m['state_fixed_bytes'] / 2**20:.2f} MiB per sequence; device {result['machine']['device']}, "
-             f"measured read bandwidth {result['machine']['measured_bandwidth_gbs']:.1f} GB/s"]
+             f"measured read bandwidth {result['machine']['measured_bandwidth_gbs']:.1f} GB/s"
+             + (f"; native CPU products of 2-{m['native_gemm_rows']} rows" if m.get("native_gemm_rows") else "")]
     if "context_sweep" in result:
         return "\n".join(lines + [format_context_sweep(result["context_sweep"])])
     if "mixed" in result:
