@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=os.environ.get("JDEEP_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' on /v1/* (default $JDEEP_API_KEY; none: open)")
+                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $JDEEP_API_KEY, which unlike this "
+                         "flag does not show in the process list; none: open)")
     sv.add_argument("--served-model-name", help="the model id clients send (default: the folder's name)")
     sv.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint folder's")
     sv.add_argument("--chat-format", choices=sorted(FORMATS),
@@ -101,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--request-timeout", type=float,
                     help="seconds a request may take from arrival; then it is cancelled (504, or an error event when "
                          "streaming) and its slot freed (default: no limit)")
+    sv.add_argument("--request-read-timeout", type=float, default=30.0,
+                    help="seconds a client has to send a request's headers, and then its whole body; a connection "
+                         "that has not is closed (a body: 408), so slow or silent clients cannot hold connections "
+                         "(default 30)")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="on SIGINT/SIGTERM, seconds requests in flight may take to finish before they are cancelled")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

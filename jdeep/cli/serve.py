@@ -36,6 +36,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < MIN_BUCKET:
         raise ValueError(f"--max-num-batched-tokens must be at least {MIN_BUCKET} (one minimum prefill chunk), got "
                          f"{args.max_num_batched_tokens}")
+    if not args.request_read_timeout > 0:
+        raise ValueError(f"--request-read-timeout must be a positive number of seconds, got {args.request_read_timeout}")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
     if not os.path.isdir(args.model):
@@ -111,7 +113,8 @@ def _serve(args: argparse.Namespace, lockstep: Lockstep | None) -> int:
           f"{', API key required' if args.api_key else ''}{'' if tokenizer else ', no tokenizer: token-id prompts only'})",
           file=sys.stderr, flush=True)
     settings = ServerSettings(name, args.api_key, args.max_body_bytes, created, max_waiting=args.max_waiting,
-                              request_timeout=args.request_timeout, chat_format=args.chat_format)
+                              request_timeout=args.request_timeout, chat_format=args.chat_format,
+                              read_timeout=args.request_read_timeout)
     serve(engine, settings, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
           log_level=args.log_level, lockstep=lockstep)
     if lockstep is not None and lockstep.failure is not None:    # (a signal ends the process before this line)

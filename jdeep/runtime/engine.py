@@ -230,20 +230,21 @@ class Engine:
         now = time.monotonic()
         while free and self.waiting:
             slot = self.waiting.popleft()
+            i = free[0]
             try:
                 row = self._sampling_row(slot)
+                if slot.params.penalized:
+                    self._pen.admit(i, slot.request.ids)
             except Exception as e:      # e.g. a seed no PRNG key holds: this request fails, the queue goes on
                 self._fail(slot, "preparing its sampling parameters", e)
                 failed.append(slot.out)
                 continue
-            i = free.pop(0)
+            free.pop(0)
             self.slots[i] = slot
             slot.out.queue_time = now - slot.arrived
             waited.append(slot.out.queue_time)
             for dst, src in zip(self._rows, row):
                 dst[i] = src[0]
-            if slot.params.penalized:
-                self._pen.admit(i, slot.request.ids)
             taken.append(i)
         if taken:
             mask = np.zeros(self.n_slots, bool)
@@ -325,12 +326,18 @@ class Engine:
             live[[i - lo for i in penalised]] = True
             self._pen.count(lo, tokens, live)
         nxt = self.model.fetch(tokens)
-        entries = {}
+        entries, failed = {}, []
         if want:
             lp, ids, vals = (self.model.fetch(a) for a in out[1:])
-            entries = {i: [logprob_entries(nxt[i - lo], lp[i - lo], ids[i - lo], vals[i - lo],
-                                           self.slots[i].params.logprobs)] for i in want}
-        return self._deliver({i: [int(nxt[i - lo])] for i in rows}, entries)
+            for i in want:
+                try:
+                    entries[i] = [logprob_entries(nxt[i - lo], lp[i - lo], ids[i - lo], vals[i - lo],
+                                                  self.slots[i].params.logprobs)]
+                except Exception as e:      # this request's own host work failed: it ends alone
+                    self._fail(self.slots[i], "computing its logprobs", e)
+                    failed.append(self.slots[i].out)
+                    self.slots[i] = None
+        return failed + self._deliver({i: [int(nxt[i - lo])] for i in rows if self.slots[i] is not None}, entries)
 
     def _deliver(self, new: dict[int, Sequence[int]], logprobs: dict[int, list] | None = None) -> list[RequestOutput]:
         """Push each slot's new tokens (slot -> tokens, in order; logprobs: slot -> one entry per token, for

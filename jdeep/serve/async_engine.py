@@ -110,6 +110,7 @@ class EngineStats:
     steps: int = 0
     alive: bool = False
     error: str | None = None       # why the engine stopped (a failed mesh)
+    restarts: int = 0              # times the engine thread failed outside a step and restarted the engine
 
 
 class AsyncEngine:
@@ -217,58 +218,95 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
-        eng = self.engine
+        """The engine thread: `_serve` until it stops. A failure outside the engine step (the thread's own host work:
+        a bug) fails the requests in flight and restarts the engine with a fresh state (`_restart`), so one bad
+        moment never leaves the server without an engine; with a lockstep mesh it fails the mesh instead."""
         try:
             while True:
-                with self._cv:
-                    while (not self._inbox and not eng.has_work and not self._stopping
-                           and self.stats.error is None):
-                        self._cv.wait()
-                    inbox, self._inbox = self._inbox, []
-                    stopping = self._stopping
-                if self.stats.error is not None:
-                    return
-                for cmd in inbox:
-                    self._apply(cmd)
-                self._expire(time.monotonic())
-                if stopping:
-                    for rid in list(self._tracked):
-                        self._abort(rid)
-                    self._sync(step=False, stop=True)
-                    self._publish()
-                    return
-                if not self._sync(step=eng.has_work):
-                    return
-                if eng.has_work:
-                    t0 = time.perf_counter()
-                    try:
-                        eng.step()
-                    except Exception as e:      # a bug or a device failure: fail the requests in flight, keep serving
-                        if self.lockstep is not None:     # the processes may no longer agree: the mesh is done
-                            self.fail_mesh(f"an engine step failed on process 0: {type(e).__name__}: {e}")
-                            return
-                        log.exception("engine step failed")
-                        if self._on_error is not None:
-                            self._on_error(e)
-                        self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
-                    if self.lockstep is not None:
-                        self.lockstep.step_done()
-                    self.stats.steps += 1
-                    if self.on_step is not None:
-                        self.on_step(time.perf_counter() - t0)
-                self._publish()
-        except BaseException as e:      # a bug outside the step: nobody may wait forever
-            log.exception("the engine thread failed")
-            self.stats.alive = False
-            for rid, t in self._tracked.items():
                 try:
-                    t.loop.call_soon_threadsafe(t.queue.put_nowait, Delta(
-                        rid, [], True, "error", f"the engine thread failed: {type(e).__name__}: {e}", time.monotonic()))
-                except RuntimeError:
-                    pass
+                    self._serve()
+                    return
+                except Exception as e:      # noqa: BLE001
+                    reason = f"the engine thread failed: {type(e).__name__}: {e}"
+                    if self.lockstep is not None:     # the processes may no longer agree: the mesh is done
+                        log.exception("the engine thread failed")
+                        self.fail_mesh(reason)
+                        return
+                    log.exception("the engine thread failed; the engine restarts")
+                    if not self._restart(reason):
+                        return
+        except BaseException as e:      # the interpreter is going away: nobody may wait forever
+            self._fail_tracked(f"the engine thread stopped: {type(e).__name__}: {e}")
             raise
         finally:
             self.stats.alive = False
+
+    def _fail_tracked(self, message: str) -> None:
+        """Every tracked request's caller gets a final error Delta; the requests are forgotten."""
+        now = time.monotonic()
+        tracked, self._tracked = self._tracked, {}
+        for rid, t in tracked.items():
+            _send(t, Delta(rid, [], True, "error", message, now))
+        self._done(len(tracked))
+
+    def _restart(self, reason: str) -> bool:
+        """Fail the requests in flight with `reason` and give the engine a fresh state; False if even that fails
+        (the thread then stops: /health reports it and new requests get 503)."""
+        self.stats.restarts += 1
+        self._fail_tracked(reason)
+        try:
+            self.engine.reset()
+            for rid in list(self.engine.outputs):
+                self.engine.release(rid)
+        except Exception:               # noqa: BLE001
+            log.exception("the engine could not be restarted; it stops")
+            self.stats.error = f"{reason}; restarting the engine failed too"
+            return False
+        return True
+
+    def _serve(self) -> None:
+        eng = self.engine
+        while True:
+            with self._cv:
+                while (not self._inbox and not eng.has_work and not self._stopping
+                       and self.stats.error is None):
+                    self._cv.wait()
+                inbox, self._inbox = self._inbox, []
+                stopping = self._stopping
+            if self.stats.error is not None:
+                return
+            for cmd in inbox:
+                self._apply(cmd)
+            self._expire(time.monotonic())
+            if stopping:
+                for rid in list(self._tracked):
+                    self._abort(rid)
+                self._sync(step=False, stop=True)
+                self._publish()
+                return
+            if not self._sync(step=eng.has_work):
+                return
+            if eng.has_work:
+                t0 = time.perf_counter()
+                try:
+                    eng.step()
+                except Exception as e:      # a bug or a device failure: fail the requests in flight, keep serving
+                    if self.lockstep is not None:     # the processes may no longer agree: the mesh is done
+                        self.fail_mesh(f"an engine step failed on process 0: {type(e).__name__}: {e}")
+                        return
+                    log.exception("engine step failed")
+                    if self._on_error is not None:
+                        self._on_error(e)
+                    self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
+                if self.lockstep is not None:
+                    self.lockstep.step_done()
+                self.stats.steps += 1
+                if self.on_step is not None:
+                    try:
+                        self.on_step(time.perf_counter() - t0)
+                    except Exception:       # noqa: BLE001 (a metrics hook never stops the engine)
+                        log.exception("the on_step hook failed")
+            self._publish()
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
@@ -340,33 +378,44 @@ class AsyncEngine:
             out.finish_reason, out.error = "error", message
 
     def _publish(self) -> None:
-        """Send every tracked request its new tokens; forget the finished ones."""
+        """Send every tracked request its new tokens; forget the finished ones. A request whose Delta cannot be
+        built (a bug in its own host work) ends alone with an error."""
         now = time.monotonic()
         ended = 0
         for rid, t in list(self._tracked.items()):
-            out = self.engine.outputs.get(rid)
-            if out is None:             # (a bug) the record is gone: the caller must still hear of it
-                del self._tracked[rid]
-                ended += 1
-                _send(t, Delta(rid, [], True, "error", "the engine lost this request", now))
+            try:
+                d = self._delta(rid, t, now)
+            except Exception as e:      # noqa: BLE001
+                log.exception("request %s: its output could not be handed over", rid)
+                self._abort(rid, "error", f"internal error while handing over this request's output: "
+                                          f"{type(e).__name__}: {e}")
+                d = Delta(rid, [], True, "error", f"internal error: {type(e).__name__}: {e}", now)
+            if d is None:
                 continue
-            new = out.tokens[t.sent:]
-            if not new and not out.finished:
-                continue
-            text = (out.text or "")[t.sent_text:]
-            t.sent, t.sent_text = len(out.tokens), t.sent_text + len(text)
-            lps, plps = out.logprobs, out.prompt_logprobs
-            d = Delta(rid, list(new), out.finished, out.finish_reason, out.error, now, text,
-                      None if lps is None else list(lps[t.sent - len(new):t.sent]),
-                      None if plps is None or t.sent_prompt else list(plps))
-            t.sent_prompt = t.sent_prompt or plps is not None
-            if out.finished:
+            if d.finished:
                 del self._tracked[rid]
                 self.engine.release(rid)
                 ended += 1
             _send(t, d)
         self._done(ended)
         self.stats.running, self.stats.waiting = self.engine.n_running, self.engine.n_waiting
+
+    def _delta(self, rid: str, t: _Tracked, now: float) -> Delta | None:
+        """The request's Delta since the last one (None: nothing new)."""
+        out = self.engine.outputs.get(rid)
+        if out is None:             # (a bug) the record is gone: the caller must still hear of it
+            return Delta(rid, [], True, "error", "the engine lost this request", now)
+        new = out.tokens[t.sent:]
+        if not new and not out.finished:
+            return None
+        text = (out.text or "")[t.sent_text:]
+        t.sent, t.sent_text = len(out.tokens), t.sent_text + len(text)
+        lps, plps = out.logprobs, out.prompt_logprobs
+        d = Delta(rid, list(new), out.finished, out.finish_reason, out.error, now, text,
+                  None if lps is None else list(lps[t.sent - len(new):t.sent]),
+                  None if plps is None or t.sent_prompt else list(plps))
+        t.sent_prompt = t.sent_prompt or plps is not None
+        return d
 
     def _done(self, n: int) -> None:
         """n requests have left the engine: they no longer count against max_waiting."""

@@ -11,6 +11,11 @@ whose prompt is DeepSeek's chat encoding (io/chat) and whose `chat` plan tells t
   `parallel_tool_calls: false` keeps only the first call.
 - The reply is decoded with special tokens kept (`</think>` and the DSML tags are special tokens in DeepSeek's
   tokenizer) and parsed by io/chat.ReplyParser into reasoning_content, content and tool_calls.
+- Message text is text: DeepSeek's role markers, `<think>` or DSML tags typed in a message (or a tool result, a
+  tool's schema, an earlier call's arguments) are encoded as the characters they are, not as the special tokens the
+  encoder writes around the messages (io/chat.ChatText), so no client can forge a turn boundary or a tool result.
+  DeepSeek's reference encoders return one string and leave this to the tokenizer call; vLLM and transformers
+  encode a rendered chat template's special-token strings wherever they stand.
 - logprobs (bool) / top_logprobs (0..20): every generated token's logprob (reasoning tokens included).
 - Images (DeepSeek-V4.1 with its vision tower): `image_url` content parts of user and tool messages, as `data:`
   URLs (base64); jdeep fetches nothing, so other URLs get a 400, as does a model without a vision tower. io/chat
@@ -24,11 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..io.chat import ChatFormat, encode_chat
+from ..io.chat.chat_text import markup
 from ..runtime.requests import RequestError
 from ..runtime.sampling import MAX_TOP_LOGPROBS
 from .fields import APIError, field, integer, show, text
 from .openai_protocol import (MAX_CHARS_PER_TOKEN, GenerationRequest, ServingContext, check_model, check_unsupported,
-                              finish_request, max_tokens_field)
+                              encode_text, finish_request, max_tokens_field)
 
 __all__ = ["ChatPlan", "parse_chat", "MAX_TOOLS"]
 
@@ -174,14 +180,15 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
         prefix = f"{fmt.tool_calls_start}\n{fmt.invoke_open} name=\""
     elif choice == "function":
         prefix = f"{fmt.tool_calls_start}\n{fmt.invoke_open} name=\"{forced}\">\n"
-    text(prompt, "messages", "the messages' text", MAX_CHARS_PER_TOKEN * ctx.max_len)
+    prompt = prompt + markup(prefix)       # (message text stays text: io/chat.ChatText)
     if images:
+        text(prompt, "messages", "the messages' text", MAX_CHARS_PER_TOKEN * ctx.max_len)
         try:
-            ids = ctx.expand_images(prompt + prefix, images)
+            ids = ctx.expand_images(prompt, images)
         except RequestError as e:
             raise APIError(400, str(e), param="messages") from None
     else:
-        ids = ctx.tokenizer.encode(prompt + prefix)
+        ids = encode_text(ctx, prompt, "messages", "the messages' text")
     plan = ChatPlan(fmt, thinking, tuple(f["name"] for f in tools), choice, prefix, parallel, logprobs)
     max_tokens = max_tokens_field(body, ("max_completion_tokens", "max_tokens"), None)
     return finish_request(body, "chat", model, [ids], max_tokens, ctx, "messages",

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
+
+from ..io import bounded_json
 
 __all__ = ["APIError", "parse_json", "show", "field", "integer", "number", "text"]
 
@@ -25,14 +26,13 @@ class APIError(Exception):
 
 def parse_json(raw: bytes) -> Any:
     """A request body -> its JSON value; APIError 400 for anything that is not standard JSON (bad syntax or UTF-8,
-    NaN / Infinity, integers beyond Python's digit limit, nesting deeper than the parser's recursion limit)."""
+    NaN / Infinity, integers beyond Python's digit limit) and for nesting deeper than bounded_json.MAX_DEPTH (no
+    field needs it, and recursive code that walks a value nested deeper fails)."""
     def no_constant(name: str):
         raise ValueError(f"{name} is not a JSON number")
 
     try:
-        return json.loads(raw, parse_constant=no_constant)
-    except RecursionError:
-        raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
+        return bounded_json.loads(raw, parse_constant=no_constant)
     except (ValueError, UnicodeDecodeError) as e:        # JSONDecodeError is a ValueError
         raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
 

@@ -21,6 +21,7 @@ with a value it cannot take.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -32,12 +33,17 @@ from ..runtime.sampling import (INT32_MAX, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_S
                                 MAX_TOP_LOGPROBS, SEED_MAX, SamplingParams)
 from .fields import APIError, field, integer, number, parse_json, show, text
 
-__all__ = ["APIError", "GenerationRequest", "ServingContext", "parse_json", "parse_completion", "sampling_fields",
+__all__ = ["APIError", "GenerationRequest", "ServingContext", "parse_json", "parse_completion", "parse_request",
+           "encode_text",
+           "sampling_fields",
            "finish_request", "check_model", "check_unsupported", "max_tokens_field", "MAX_PROMPTS", "MAX_CHOICES", "MAX_CHARS_PER_TOKEN"]
 
 MAX_PROMPTS = 64             # prompts in one completions request
 MAX_CHOICES = 64             # sequences one request may generate (prompts x best_of)
 MAX_CHARS_PER_TOKEN = 64     # text (a prompt, the messages) longer than this x max_len is refused untokenized
+PROBE_CHARS_PER_TOKEN = 16   # a text longer than this x max_len has its head tokenised first (encode_text)
+
+log = logging.getLogger("jdeep.serve")
 
 
 @dataclass(frozen=True)
@@ -230,7 +236,7 @@ def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
             if ctx.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer (no tokenizer.json): send the prompt as token ids",
                                param="prompt")
-            p = ctx.tokenizer.encode(text(p, "prompt", "the prompt", MAX_CHARS_PER_TOKEN * ctx.max_len))
+            p = encode_text(ctx, p, "prompt", "the prompt")
             if not p:
                 raise APIError(400, "the prompt encodes to no tokens", param="prompt")
         prompts.append(p)
@@ -243,6 +249,37 @@ def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
     max_tokens = max_tokens_field(body, ("max_tokens",), 16)
     return finish_request(body, "completion", model, prompts, max_tokens, ctx, "prompt", logprobs=logprobs,
                           echo=echo, allow_best_of=True)
+
+
+def encode_text(ctx: ServingContext, s: str, param: str, what: str) -> list[int]:
+    """The token ids of a text prompt (a ChatText: as io/chat marks it), with the tokeniser's work bounded: text
+    over MAX_CHARS_PER_TOKEN x max_len characters is refused untokenised, and one over PROBE_CHARS_PER_TOKEN x
+    max_len has only its first that many characters tokenised when they alone are over twice the context (a cut
+    changes at most the tokens around it). A hostile prompt costs a fraction of its full tokenisation."""
+    text(s, param, what, MAX_CHARS_PER_TOKEN * ctx.max_len)
+    probe = PROBE_CHARS_PER_TOKEN * ctx.max_len
+    if len(s) > probe:
+        n = len(ctx.tokenizer.encode(str(s)[:probe]))
+        if n > 2 * ctx.max_len:
+            raise APIError(400, f"{what} is longer than this model's context of {ctx.max_len} tokens: its first "
+                           f"{probe} characters alone are {n} tokens", param=param, code="context_length_exceeded")
+    return ctx.tokenizer.encode(s)
+
+
+def parse_request(parse: Callable[[Any, ServingContext], GenerationRequest], body: Any,
+                  ctx: ServingContext) -> GenerationRequest:
+    """parse(body, ctx) (parse_completion or chat_protocol.parse_chat) with every failure an APIError: the protocol
+    boundary's one error mapping. Parsing reads nothing but the client's body, so whatever it raises is about that
+    body: a 400 that names the exception (logged at INFO with its traceback, for a parser bug to be found)."""
+    try:
+        return parse(body, ctx)
+    except APIError:
+        raise
+    except RequestError as e:
+        raise APIError(400, str(e), param=e.param, code=e.code) from None
+    except Exception as e:     # noqa: BLE001 (the boundary: nothing a client sends may become a 500)
+        log.info("a request body failed to parse (answered 400)", exc_info=True)
+        raise APIError(400, f"the request could not be read: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _is_id(t: Any) -> bool:

@@ -17,6 +17,7 @@ whatever is left at the timeout, and the engine thread stops.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -30,7 +31,7 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -39,8 +40,9 @@ from ..runtime.engine import Engine
 from ..runtime.images import expand_image_prompt
 from .async_engine import AsyncEngine, QueueFull, RequestHandle
 from .chat_protocol import parse_chat
+from .connections import ReadDeadline, RequestBodyTimeout, h11_with_header_timeout
 from .lockstep import Lockstep
-from .openai_protocol import APIError, GenerationRequest, ServingContext, parse_completion, parse_json
+from .openai_protocol import APIError, GenerationRequest, ServingContext, parse_completion, parse_json, parse_request
 from .responses import (Choice, chat_chunk, chat_response, chat_role_chunk, completion_chunk, completion_response,
                         pick_best, req_prompt_text, usage, usage_chunk)
 from .server_metrics import Latency, ServerMetrics
@@ -50,6 +52,9 @@ __all__ = ["ServerSettings", "build_app", "serve", "make_server", "background_se
 log = logging.getLogger("jdeep.serve")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_READ_TIMEOUT_S = 30.0   # a request's headers, and then its body, must arrive within this
+PARSE_THREADS = 2           # requests parsed (and tokenised) at once, off the event loop
+CLIENT_GONE = 499           # the status counted for a request whose client went away before its answer (nginx's)
 WAITING_PER_SLOT = 4        # default max_waiting: this many times the engine's slots
 RETRY_AFTER_S = 1           # the Retry-After of a 429
 
@@ -67,6 +72,7 @@ class ServerSettings:
     max_waiting: int | None = None
     request_timeout: float | None = None
     chat_format: str | None = None      # "v4" / "v41" (io/chat); None: from the model's config
+    read_timeout: float = DEFAULT_READ_TIMEOUT_S    # seconds for a request's headers, then for its whole body
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -86,9 +92,11 @@ def _failure(finish_reason: str, error: str | None) -> APIError:
     return APIError(500, error or "the engine failed while generating", type="server_error")
 
 
-async def _abort_on_disconnect(receive, handles: list[RequestHandle]) -> None:
+async def _abort_on_disconnect(receive, handles: list[RequestHandle], on_disconnect=None) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+    if on_disconnect is not None and not all(h.finished for h in handles):
+        on_disconnect()
     for h in handles:
         h.abort()
 
@@ -96,12 +104,12 @@ async def _abort_on_disconnect(receive, handles: list[RequestHandle]) -> None:
 class _Stream(StreamingResponse):
     """An SSE response whose requests are aborted whenever it ends early (disconnect, cancellation, error)."""
 
-    def __init__(self, content, handles: list[RequestHandle]):
+    def __init__(self, content, handles: list[RequestHandle], on_disconnect=None):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.handles = handles
+        self.handles, self.on_disconnect = handles, on_disconnect
 
     async def __call__(self, scope, receive, send) -> None:
-        watcher = asyncio.ensure_future(_abort_on_disconnect(receive, self.handles))
+        watcher = asyncio.ensure_future(_abort_on_disconnect(receive, self.handles, self.on_disconnect))
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -126,6 +134,9 @@ class _App:
                                   chat_format_for(eng.model.config.model_type, settings.chat_format), expand)
         self.metrics = ServerMetrics(aengine)
         self.draining = False
+        # parsing tokenises (Tokenizer.encode releases the GIL) and may run the vision tower: a small pool of its
+        # own, so hostile prompts take at most PARSE_THREADS cores from the engine and queue behind each other
+        self.parser = concurrent.futures.ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="jdeep-parse")
 
     # ------------------------------------------------------------------ plain routes
     async def health(self, request: Request) -> Response:
@@ -133,8 +144,9 @@ class _App:
         A multi-process server adds "by_process": each process's heartbeat age and finished steps."""
         st = self.engine.stats
         ok = st.alive and st.error is None and not self.draining
+        failed = "mesh failed" if self.engine.lockstep is not None else "engine failed"
         body: dict[str, Any] = {"status": "ok" if ok else "draining" if self.draining else
-                                "mesh failed" if st.error else "engine stopped"}
+                                failed if st.error else "engine stopped"}
         if st.error:
             body["error"] = st.error
         lockstep = self.engine.lockstep
@@ -162,11 +174,14 @@ class _App:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"the request body ({declared} bytes) exceeds the limit of {limit} bytes")
         chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                raise APIError(413, f"the request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > limit:
+                    raise APIError(413, f"the request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+        except RequestBodyTimeout as e:
+            raise APIError(408, str(e), code="request_read_timeout", headers={"Connection": "close"}) from None
         return parse_json(b"".join(chunks))
 
     def _submit(self, req: GenerationRequest, queue: asyncio.Queue) -> list[RequestHandle]:
@@ -190,17 +205,24 @@ class _App:
             if self.draining:
                 raise APIError(503, "the server is shutting down", type="service_unavailable")
             body = await self._read_json(request)
-            # off the event loop: a prompt with images runs the vision tower while parsing
-            req: GenerationRequest = await asyncio.get_running_loop().run_in_executor(None, parse, body, self.ctx)
+            # off the event loop: tokenising a long prompt, or an image's vision tower, takes seconds
+            req: GenerationRequest = await asyncio.get_running_loop().run_in_executor(
+                self.parser, parse_request, parse, body, self.ctx)
+            if await request.is_disconnected():     # the client left while its request was parsed
+                return self._client_gone()
             queue: asyncio.Queue = asyncio.Queue()
             handles = self._submit(req, queue)
+        except ClientDisconnect:                    # the client went away while sending its body
+            return self._client_gone()
         except APIError as e:
             return _error(e)
         choices = [Choice(req, self.ctx.tokenizer, k // req.best_of) for k in range(len(handles))]
         index = {h.request_id: i for i, h in enumerate(handles)}
         if req.stream:
-            return _Stream(self._events(req, handles, queue, choices, index, timer), handles)
-        watcher = asyncio.ensure_future(_abort_on_disconnect(request.receive, handles))
+            return _Stream(self._events(req, handles, queue, choices, index, timer), handles,
+                           self.metrics.disconnects.inc)
+        gone = []
+        watcher = asyncio.ensure_future(_abort_on_disconnect(request.receive, handles, lambda: gone.append(True)))
         try:
             async for i, d in self._deltas(handles, queue, index, timer):
                 choices[i].push(d)
@@ -210,6 +232,8 @@ class _App:
                 h.abort()
         failed = [c for c in choices if c.finish_reason in FAILED]
         self._done(req, choices, timer)
+        if gone:
+            return self._client_gone()
         if failed:
             return _error(_failure(failed[0].finish_reason, failed[0].error))
         u = _usage(req, choices)
@@ -217,6 +241,11 @@ class _App:
         if req.kind == "completion":
             return JSONResponse(completion_response(req, best, u))
         return JSONResponse(chat_response(req, best, u))
+
+    def _client_gone(self) -> Response:
+        """The answer to a request whose client has gone (never sent: counted as CLIENT_GONE, not as an error)."""
+        self.metrics.disconnects.inc()
+        return Response(status_code=CLIENT_GONE)
 
     async def _deltas(self, handles: list[RequestHandle], queue: asyncio.Queue, index: dict, timer: Latency):
         """(choice index, Delta) until every request has finished; feeds the latency metrics."""
@@ -269,17 +298,29 @@ def _usage(req: GenerationRequest, choices: list[Choice]) -> dict:
     return usage(sum(map(len, req.prompts)), sum(len(c.tokens) for c in choices))
 
 
-class _RequestCounter:
-    """ASGI middleware: counts every HTTP request by route and status; checks the API key on /v1/*."""
+class _Boundary:
+    """ASGI middleware around every HTTP request: the API key on /v1/*, the read deadline of the body
+    (connections.ReadDeadline), the one answer to an exception no handler took (a 500 JSON error, logged once; the
+    exception goes no further, so the client's kept-alive connection stays usable), and the count of every request
+    by route and status."""
 
     def __init__(self, app, state: _App, routes: set[str]):
         self.app, self.state, self.routes = app, state, routes
+
+    def _authorized(self, scope) -> bool:
+        key = self.state.settings.api_key
+        if key is None or not scope["path"].startswith("/v1"):
+            return True
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        # the scheme is case-insensitive (RFC 9110 11.1); the key is compared as the bytes the client sent, UTF-8
+        return hmac.compare_digest(scheme.lower() + b" " + token.strip(), b"bearer " + key.encode("utf-8"))
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        status = [500]
+        status = [None]
 
         async def send_(message):
             if message["type"] == "http.response.start":
@@ -287,27 +328,28 @@ class _RequestCounter:
             await send(message)
 
         try:
-            key = self.state.settings.api_key
-            if key is not None and path.startswith("/v1"):
-                auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-                if not hmac.compare_digest(auth.encode(), f"Bearer {key}".encode()):
-                    err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                                   code="invalid_api_key")
-                    return await _error(err)(scope, receive, send_)
-            await self.app(scope, receive, send_)
+            if not self._authorized(scope):
+                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+                return await _error(err)(scope, receive, send_)
+            await self.app(scope, ReadDeadline(receive, self.state.settings.read_timeout), send_)
+        except Exception as exc:      # noqa: BLE001 (the last boundary: answered here, not re-raised to uvicorn)
+            log.error("unhandled error on %s", path, exc_info=exc)
+            if status[0] is None:
+                await _error(APIError(500, f"internal server error: {type(exc).__name__}",
+                                      type="server_error"))(scope, receive, send_)
+            else:                     # a stream already answered 200: the connection cannot be reused, close it
+                status[0] = 500
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            self.state.metrics.requests.inc(1, path if path in self.routes else "other", str(status[0]))
+            self.state.metrics.requests.inc(1, path if path in self.routes else "other", str(status[0] or 500))
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
     msg = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on {request.url.path}"}
     return _error(APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail)), type=kind))
-
-
-async def _server_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s", request.url.path)
-    return _error(APIError(500, f"internal server error: {type(exc).__name__}", type="server_error"))
 
 
 def build_app(aengine: AsyncEngine, settings: ServerSettings):
@@ -328,11 +370,11 @@ def build_app(aengine: AsyncEngine, settings: ServerSettings):
         finally:
             state.draining = True
             await asyncio.get_running_loop().run_in_executor(None, aengine.stop)
+            state.parser.shutdown(wait=False, cancel_futures=True)
 
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
     app.state.jdeep = state
-    app.add_middleware(_RequestCounter, state=state, routes={r.path for r in routes})
+    app.add_middleware(_Boundary, state=state, routes={r.path for r in routes})
     return app
 
 
@@ -353,9 +395,11 @@ def make_server(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)
+            # a signal asks for the drain that follows: once it is done the process exits 0, not by the signal
+            getattr(self, "_captured_signals", []).clear()
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                            lifespan="on")
+                            lifespan="on", http=h11_with_header_timeout(settings.read_timeout))
     return _Server(config)
 
 

@@ -24,6 +24,10 @@ class ServerMetrics:
                                       ("endpoint", "status")))
         self.rejected = r.add(Counter("jdeep_requests_rejected_total",
                                       "Generation requests turned away with 429 (too many waiting for a slot)"))
+        self.disconnects = r.add(Counter("jdeep_client_disconnects_total",
+                                         "Requests whose client went away before their answer was complete (while "
+                                         "sending the body, waiting, or streaming; not server errors: their status "
+                                         "in jdeep_requests_total is 499, or 200 for a stream already answering)"))
         self.timeouts = r.add(Counter("jdeep_request_timeouts_total",
                                       "Generation requests cancelled at the server's request timeout"))
         self.finished = r.add(Counter("jdeep_request_finished_total", "Generation requests by finish reason",
@@ -41,6 +45,8 @@ class ServerMetrics:
         r.add(Gauge("jdeep_requests_waiting_limit", "Waiting requests beyond which new ones get 429 (-1: no limit)",
                     lambda: -1 if limit is None else limit))
         r.add(Gauge("jdeep_engine_steps_total", "Engine steps run", lambda: st.steps))
+        r.add(CounterFn("jdeep_engine_restarts_total", "Times the engine thread failed outside a step and restarted "
+                        "the engine (the requests in flight then failed)", lambda: st.restarts))
         lockstep = aengine.lockstep
         mesh = (lambda: lockstep.status()) if lockstep is not None else (
             lambda: {"processes": 1, "by_process": [{"in_step": st.error is None}]})

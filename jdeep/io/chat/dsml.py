@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .. import bounded_json
+from .chat_text import ChatText
 from .formats import END_THINK, THINK, ChatFormat
 
 __all__ = ["to_json", "render_tools", "render_tool_calls", "argument_piece", "ARGUMENTS_OPEN", "ARGUMENTS_CLOSE"]
@@ -58,26 +60,34 @@ You MUST strictly follow the above defined tool name and parameter schemas to in
 
 
 def to_json(value: Any) -> str:
-    """JSON as DeepSeek's encoder writes it: non-ASCII characters kept, ", " and ": " separators."""
+    """JSON as DeepSeek's encoder writes it: non-ASCII characters kept, ", " and ": " separators. ValueError for a
+    value nested deeper than bounded_json.MAX_DEPTH."""
+    if bounded_json.depth(value) > bounded_json.MAX_DEPTH:
+        raise ValueError(f"a JSON value nested more than {bounded_json.MAX_DEPTH} levels deep")
     try:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         return json.dumps(value, ensure_ascii=True)
 
 
-def render_tools(fmt: ChatFormat, functions: list[dict]) -> str:
-    """The tools section appended to the system message: functions are OpenAI tools' "function" objects."""
-    return _TOOLS.format(calls_open=fmt.calls_open, calls_close=fmt.calls_close, invoke_open=fmt.invoke_open,
-                         invoke_close=fmt.invoke_close, parameter_open=fmt.parameter_open,
-                         parameter_close=fmt.parameter_close, think=THINK, end_think=END_THINK,
-                         schemas="\n".join(to_json(f) for f in functions))
+def render_tools(fmt: ChatFormat, functions: list[dict]) -> ChatText:
+    """The tools section appended to the system message: functions are OpenAI tools' "function" objects (their
+    JSON is content: special-token strings in it stay text)."""
+    head, tail = _TOOLS.split("{schemas}")
+    tags = dict(calls_open=fmt.calls_open, calls_close=fmt.calls_close, invoke_open=fmt.invoke_open,
+                invoke_close=fmt.invoke_close, parameter_open=fmt.parameter_open,
+                parameter_close=fmt.parameter_close, think=THINK, end_think=END_THINK)
+    return ChatText([(head.format(**tags), True), ("\n".join(to_json(f) for f in functions), False),
+                     (tail.format(**tags), True)])
 
 
 def _arguments(fmt: ChatFormat, raw: Any, where: str) -> dict:
     """An earlier call's arguments (OpenAI: a JSON string) as a dict. V4 keeps text that is not JSON as
     {"arguments": text}; V4.1 requires a JSON object."""
     try:
-        value = json.loads(raw) if isinstance(raw, str) else raw
+        value = bounded_json.loads(raw) if isinstance(raw, str) else raw
+    except bounded_json.TooDeep as e:
+        raise ValueError(f"{where}: function.arguments is {e}") from None
     except ValueError:
         if fmt.name == "v4":
             return {"arguments": raw}
@@ -87,17 +97,20 @@ def _arguments(fmt: ChatFormat, raw: Any, where: str) -> dict:
     return value
 
 
-def render_tool_calls(fmt: ChatFormat, calls: list[dict], where: str) -> str:
+def render_tool_calls(fmt: ChatFormat, calls: list[dict], where: str) -> ChatText:
     """An assistant turn's tool calls (OpenAI's [{"function": {"name", "arguments"}}]) as the DSML block that
-    follows its content."""
-    invokes = []
-    for c in calls:
-        params = [f'{fmt.parameter_open} name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
-                  f'{v if isinstance(v, str) else to_json(v)}{fmt.parameter_close}'
-                  for k, v in _arguments(fmt, c["function"].get("arguments", "{}"), where).items()]
-        invokes.append(f'{fmt.invoke_open} name="{c["function"]["name"]}">\n' + "\n".join(params) +
-                       f"\n{fmt.invoke_close}")
-    return f"\n\n{fmt.calls_open}\n" + "\n".join(invokes) + f"\n{fmt.calls_close}"
+    follows its content (names and values are content: special-token strings in them stay text)."""
+    parts = [(f"\n\n{fmt.calls_open}\n", True)]
+    for n, c in enumerate(calls):
+        parts += [("\n" if n else "", True), (f'{fmt.invoke_open} name="', True), (c["function"]["name"], False),
+                  ('">\n', True)]
+        for k, (name, v) in enumerate(_arguments(fmt, c["function"].get("arguments", "{}"), where).items()):
+            parts += [("\n" if k else "", True), (f'{fmt.parameter_open} name="', True), (name, False),
+                      (f'" string="{"true" if isinstance(v, str) else "false"}">', True),
+                      (v if isinstance(v, str) else to_json(v), False), (fmt.parameter_close, True)]
+        parts.append((f"\n{fmt.invoke_close}", True))
+    parts.append((f"\n{fmt.calls_close}", True))
+    return ChatText(parts)
 
 
 def argument_piece(first: bool, name: str, value: str, is_string: bool) -> str:

@@ -23,9 +23,9 @@ blank line (as DeepSeek joins a turn's blocks), `reasoning` is accepted as an al
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Sequence
 
+from .chat_text import ChatText, content, markup
 from .dsml import render_tool_calls, render_tools, to_json
 from .formats import ASSISTANT, BOS, END_THINK, EOS, IMAGE, LATEST_REMINDER, THINK, USER, ChatFormat
 
@@ -34,31 +34,32 @@ __all__ = ["encode_chat", "normalize_messages"]
 _ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
 
 
-def _content_text(fmt: ChatFormat, i: int, content: Any, role: str) -> str:
-    """A message's content (a string, None, or OpenAI content parts) as text; image parts become the V4.1
-    image placeholder."""
-    if content is None:
+def _content_text(fmt: ChatFormat, i: int, content_: Any, role: str) -> ChatText:
+    """A message's content (a string, None, or OpenAI content parts) as content text; image parts become the V4.1
+    image placeholder (markup)."""
+    if content_ is None:
         if role not in ("assistant", "tool"):
             raise ValueError(f"messages[{i}]: a {role} message needs content")
-        return ""
-    if isinstance(content, str):
-        if fmt.images and IMAGE in content:
+        return ChatText()
+    if isinstance(content_, str):
+        if fmt.images and IMAGE in content_:
             raise ValueError(f"messages[{i}]: content contains the image token {IMAGE}; send images as image parts")
-        return content
-    if not isinstance(content, list):
+        return content(content_)
+    if not isinstance(content_, list):
         raise ValueError(f"messages[{i}]: content must be a string or a list of content parts")
-    parts = []
-    for j, part in enumerate(content):
+    out = ChatText()
+    for j, part in enumerate(content_):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            parts.append(_content_text(fmt, i, part["text"], role))
+            piece = _content_text(fmt, i, part["text"], role)
         elif kind in ("image_url", "image") and role in ("user", "tool"):
             if not fmt.images:
                 raise ValueError(f"messages[{i}].content[{j}]: DeepSeek-V4 takes no images (V4.1 does)")
-            parts.append(IMAGE)
+            piece = markup(IMAGE)
         else:
             raise ValueError(f"messages[{i}].content[{j}]: unsupported content part {to_json(part)[:100]}")
-    return "\n\n".join(parts)
+        out = out + (markup("\n\n") if j else ChatText()) + piece
+    return out
 
 
 def normalize_messages(fmt: ChatFormat, messages: Sequence[dict]) -> list[dict]:
@@ -80,7 +81,7 @@ def normalize_messages(fmt: ChatFormat, messages: Sequence[dict]) -> list[dict]:
                 raise ValueError(f"messages[{i}]: reasoning_content must be a string")
             if reasoning and fmt.images and IMAGE in reasoning:
                 raise ValueError(f"messages[{i}]: reasoning_content contains the image token {IMAGE}")
-            msg["reasoning_content"] = reasoning
+            msg["reasoning_content"] = content(reasoning) if reasoning else reasoning
             calls = m.get("tool_calls") or []
             if not isinstance(calls, list):
                 raise ValueError(f"messages[{i}]: tool_calls must be a list")
@@ -90,6 +91,8 @@ def normalize_messages(fmt: ChatFormat, messages: Sequence[dict]) -> list[dict]:
                         or not isinstance(f.get("arguments", "{}"), str)):
                     raise ValueError(f"messages[{i}].tool_calls[{j}] must be {{'function': {{'name': str, "
                                      "'arguments': JSON string}}}")
+                if not isinstance(c.get("id", ""), (str, type(None))):
+                    raise ValueError(f"messages[{i}].tool_calls[{j}].id must be a string")
             msg["tool_calls"] = calls
         elif role == "tool":
             tid = m.get("tool_call_id", "")
@@ -104,7 +107,7 @@ def _merge_tool_results(messages: list[dict]) -> list[dict]:
     """Tool messages -> tool_result blocks of a user turn; a user message right after joins that turn."""
     merged: list[dict] = []
     for msg in messages:
-        msg = copy.deepcopy(msg)
+        msg = dict(msg)         # the blocks lists are new; nothing nested is changed in place
         if msg["role"] == "tool":
             block = {"type": "tool_result", "tool_use_id": msg["tool_call_id"], "content": msg["content"]}
             if merged and merged[-1]["role"] == "user" and "blocks" in merged[-1]:
@@ -162,41 +165,43 @@ def _opens_reply(fmt: ChatFormat, messages: list[dict], k: int) -> bool:
     return role == "user" or (fmt.name == "v41" and role == "system" and k > 0)
 
 
-def _render(fmt: ChatFormat, messages: list[dict], k: int, thinking: bool, drop: bool, effort, tools) -> str:
+def _render(fmt: ChatFormat, messages: list[dict], k: int, thinking: bool, drop: bool, effort, tools) -> ChatText:
     msg, role = messages[k], messages[k]["role"]
     last = _last_user(fmt, messages)
     effort_line = fmt.effort_line(effort) if k == 0 and thinking else ""
-    out = fmt.system_token if k == 0 and (effort_line or role == "system") and fmt.system_token else ""
-    out += effort_line
+    out = markup(fmt.system_token if k == 0 and (effort_line or role == "system") and fmt.system_token else "")
+    out += markup(effort_line)
     if role == "system":
         if k > 0:
-            out += fmt.system_token
+            out += markup(fmt.system_token)
         out += msg["content"]
         if msg.get("tools"):
-            out += "\n\n" + render_tools(fmt, msg["tools"])
+            out += markup("\n\n") + render_tools(fmt, msg["tools"])
     elif role == "user":
-        parts = []
-        for b in msg.get("blocks") or [{"type": "text", "text": msg["content"]}]:
-            parts.append(b["text"] if b["type"] == "text" else f"<tool_result>{b['content']}</tool_result>")
-        out += USER + "\n\n".join(parts)
+        out += markup(USER)
+        for n, b in enumerate(msg.get("blocks") or [{"type": "text", "text": msg["content"]}]):
+            out += markup("\n\n" if n else "")
+            out += (b["text"] if b["type"] == "text" else
+                    markup("<tool_result>") + b["content"] + markup("</tool_result>"))
     elif role == "latest_reminder":
-        out += LATEST_REMINDER + msg["content"]
+        out += markup(LATEST_REMINDER) + msg["content"]
     else:   # assistant
-        calls = render_tool_calls(fmt, msg["tool_calls"], f"messages[{k}]") if msg.get("tool_calls") else ""
-        reasoning = ""
+        calls = render_tool_calls(fmt, msg["tool_calls"], f"messages[{k}]") if msg.get("tool_calls") else ChatText()
         if thinking and (not drop or k > last):
-            reasoning = (msg.get("reasoning_content") or "") + END_THINK
-        out += reasoning + msg["content"] + calls + EOS
+            out += (msg.get("reasoning_content") or ChatText()) + markup(END_THINK)
+        out += msg["content"] + calls + markup(EOS)
     if k + 1 < len(messages) and messages[k + 1]["role"] not in ("assistant", "latest_reminder"):
         return out
     if _opens_reply(fmt, messages, k):
-        out += ASSISTANT + (THINK if thinking and (not drop or k >= last) else END_THINK)
+        out += markup(ASSISTANT + (THINK if thinking and (not drop or k >= last) else END_THINK))
     return out
 
 
 def encode_chat(fmt: ChatFormat, messages: Sequence[dict], *, thinking: bool = False, reasoning_effort=None,
-                tools: Sequence[dict] | None = None, drop_thinking: bool = True, add_bos: bool = True) -> str:
-    """The prompt text of a conversation, ending where the assistant's reply begins.
+                tools: Sequence[dict] | None = None, drop_thinking: bool = True, add_bos: bool = True) -> ChatText:
+    """The prompt text of a conversation, ending where the assistant's reply begins: a ChatText, the string
+    DeepSeek's encoder writes, whose parts keep the messages' text apart from the encoder's markup (special-token
+    strings typed in a message stay text when Tokenizer.encode reads it).
 
     messages: OpenAI chat messages (normalize_messages); tools: OpenAI tools' "function" objects (already
     validated); thinking: DeepSeek's thinking mode; reasoning_effort: see ChatFormat.effort_line. ValueError
@@ -207,7 +212,7 @@ def encode_chat(fmt: ChatFormat, messages: Sequence[dict], *, thinking: bool = F
         raise ValueError("messages must not be empty")
     if tools:
         if msgs[0]["role"] != "system":
-            msgs.insert(0, {"role": "system", "content": ""})
+            msgs.insert(0, {"role": "system", "content": ChatText()})
         msgs[0]["tools"] = list(tools)
     msgs = _sort_tool_results(_merge_tool_results(msgs))
     if not _opens_reply(fmt, msgs, len(msgs) - 1):
@@ -216,5 +221,7 @@ def encode_chat(fmt: ChatFormat, messages: Sequence[dict], *, thinking: bool = F
     drop = drop_thinking and not tools
     if thinking and drop:
         msgs = _drop_reasoning(fmt, msgs)
-    return (BOS if add_bos else "") + "".join(
-        _render(fmt, msgs, k, thinking, drop, reasoning_effort, tools) for k in range(len(msgs)))
+    out = markup(BOS if add_bos else "")
+    for k in range(len(msgs)):
+        out += _render(fmt, msgs, k, thinking, drop, reasoning_effort, tools)
+    return out
