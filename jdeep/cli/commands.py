@@ -348,9 +348,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def _graph_target(args: argparse.Namespace) -> Target:
     """What check-graph and export build programs for: a preset or a checkpoint's config.json (no weights)."""
     config = preset(args.preset) if args.preset else ModelConfig.from_file(args.model)
-    return Target.for_config(config, np_dtype(args.dtype), args.mode, args.host_embedding,
-                             args.quantize_activations, args.fp8_max, args.packed_kv,
-                             packed_params=args.mode == "scan" and not args.no_pack_params, platform=args.platform)
+    target = Target.for_config(config, np_dtype(args.dtype), args.mode, args.host_embedding,
+                               args.quantize_activations, args.fp8_max, args.packed_kv,
+                               packed_params=args.mode == "scan" and not args.no_pack_params, platform=args.platform)
+    # without jdeep's native CPU products: they are a custom call of this process (an exported program runs where it
+    # is not registered) and no rule of check-graph's, which are Neuron's, admits them
+    return dataclasses.replace(target, numerics=dataclasses.replace(target.numerics, native_gemm_rows=0))
 
 
 def cmd_check_graph(args: argparse.Namespace) -> int:
@@ -380,8 +383,6 @@ def cmd_check_graph(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     target = _graph_target(args)
-    # an exported program runs where jdeep's native CPU kernel (an FFI custom call of this process) is not registered
-    target = dataclasses.replace(target, numerics=dataclasses.replace(target.numerics, native_gemm_rows=0))
     programs = model_programs(target, batch_sizes(args.batch_sizes), args.prefill_len, args.max_len)
     if args.speculative_tokens is not None:
         programs += speculative_programs(target, batch_sizes(args.batch_sizes), args.speculative_tokens,

@@ -38,6 +38,8 @@ from starlette.routing import Route
 from ..io.chat import chat_format_for
 from ..runtime.engine import Engine
 from ..runtime.images import expand_image_prompt
+from ..runtime.requests import RequestError
+from ..vision.processor import ImageError, data_url_bytes
 from .async_engine import AsyncEngine, QueueFull, RequestHandle
 from .chat_protocol import parse_chat
 from .connections import ReadDeadline, RequestBodyTimeout, h11_with_header_timeout
@@ -129,6 +131,10 @@ class _App:
         expand = None
         if eng.model.vision is not None:
             def expand(text: str, images: list):
+                try:    # the tower gets the images' bytes: no client string reaches open_image's path branch
+                    images = [data_url_bytes(url) for url in images]
+                except ImageError as e:
+                    raise RequestError(str(e), "messages") from None
                 return expand_image_prompt(eng.model, {"text": text, "images": images}, eng.tokenizer)
         self.ctx = ServingContext(settings.model_name, eng.max_len, eng.tokenizer, aengine.check,
                                   chat_format_for(eng.model.config.model_type, settings.chat_format), expand)

@@ -30,7 +30,7 @@ from ..config import VisionConfig
 
 __all__ = ["IMAGE_START", "IMAGE", "IMAGE_NEW_LINE", "IMAGE_END", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS",
            "MAX_IMAGES", "ImageError", "ImagePatches", "num_image_tokens", "plan_image_grid", "span_types",
-           "open_image", "process_image"]
+           "open_image", "process_image", "data_url_bytes"]
 
 IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = range(4)
 MAX_IMAGE_BYTES = 32 << 20          # encoded bytes of one image
@@ -110,6 +110,22 @@ def span_types(n_llm_h: int, n_llm_w: int) -> np.ndarray:
     return np.asarray([IMAGE_START] + row * n_llm_h + [IMAGE_END], np.int8)
 
 
+def data_url_bytes(url: str) -> bytes:
+    """The encoded image a base64 `data:` URL carries; ImageError for anything else (no path, no network: what a
+    server hands the tower from a client, so nothing a client sends can name a local file)."""
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise ImageError("an image from a client must be a base64 data: URL")
+    header, _, payload = url.partition(",")
+    if ";base64" not in header:
+        raise ImageError(f"data URL {header[:40]!r} is not base64-encoded")
+    if len(payload) > (MAX_IMAGE_BYTES + 2) // 3 * 4:
+        raise ImageError(f"image exceeds {MAX_IMAGE_BYTES >> 20} MiB")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"data URL is not valid base64: {e}") from None
+
+
 def open_image(source: Any) -> Image.Image:
     """An RGB PIL image from a PIL image, a file path, encoded bytes or a `data:` URL (base64). Remote URLs are
     refused: jdeep never fetches from the network."""
@@ -117,15 +133,7 @@ def open_image(source: Any) -> Image.Image:
         image = source
     else:
         if isinstance(source, str) and source.startswith("data:"):
-            header, _, payload = source.partition(",")
-            if ";base64" not in header:
-                raise ImageError(f"data URL {header[:40]!r} is not base64-encoded")
-            if len(payload) > (MAX_IMAGE_BYTES + 2) // 3 * 4:
-                raise ImageError(f"image exceeds {MAX_IMAGE_BYTES >> 20} MiB")
-            try:
-                data = base64.b64decode(payload, validate=True)
-            except (binascii.Error, ValueError) as e:
-                raise ImageError(f"data URL is not valid base64: {e}") from None
+            data = data_url_bytes(source)
         elif isinstance(source, str) and source.split(":", 1)[0].lower() in ("http", "https", "ftp", "file"):
             raise ImageError("image URLs are not fetched; pass a data: URL, a file path or the image itself")
         elif isinstance(source, (str, os.PathLike)):

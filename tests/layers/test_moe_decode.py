@@ -4,6 +4,8 @@ decode program has no sort in either compile mode."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -41,7 +43,10 @@ def test_batch8_decode_equals_forward(folder):
 def test_decode_programs_have_no_sort(folder, mode):
     """Batch 4 and 8 (T*k = 8, 16 > 6 experts): every decode program passes every rule, S6 included."""
     model = jdeep.load(folder, compile_mode=mode)
-    programs = model_programs(Target.of(model), (4, 8), (), 64, cache=ProgramCache())
+    # the rules are Neuron's, where jdeep's native CPU products (a custom call) never run: checked without them
+    target = Target.of(model)
+    target = dataclasses.replace(target, numerics=dataclasses.replace(target.numerics, native_gemm_rows=0))
+    programs = model_programs(target, (4, 8), (), 64, cache=ProgramCache())
     assert {p.bucket["step"] for p in programs} == {"decode"}
     for prog in programs:
         lowered = prog.lower()
