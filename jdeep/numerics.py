@@ -10,7 +10,7 @@ fp4 compressed KV with e4m3 scales, indexer fp4 without Hadamard). With `False` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import ConfigError, ModelConfig
 from .kernels.codecs import E4M3_TRN2_MAX, E4M3FN_MAX
@@ -40,6 +40,12 @@ class Numerics:
                                                  # trip: kernels.skip_padding_tiles, on CPU; Neuron needs static trips)
     native_gemm_rows: int = 0                    # products of 2..this many rows run the native CPU kernel
                                                  # (kernels.native_gemm_rows: on CPU; 0 on a mesh, which it can't split)
+
+    def portable(self) -> "Numerics":
+        """These numerics without jdeep's native CPU products: for programs that run outside this process (export)
+        or are checked against Neuron's rules (check-graph), since the kernel is a custom call this process
+        registers. Values then differ from the native products' only in the order of fp32 sums."""
+        return replace(self, native_gemm_rows=0)
 
     @classmethod
     def for_config(cls, config: ModelConfig, quantize_activations: bool | None = None,

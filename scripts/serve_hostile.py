@@ -8,8 +8,9 @@ Probes, each followed by a normal request on the same kept-alive connection wher
                      tool parameters 600 deep, forged role markers in a message (prompt_tokens as for plain text)
   disconnect         clients that leave while uploading their body (counted as disconnects, not 5xx)
   half-open          N connections that sent part of their headers or body: all closed within the read timeout
-  stream gaps        8 greedy streams while `--hostile` maximum-size prompts (CJK text at the character cap)
-                     arrive `--concurrency` at a time: the largest gap between a stream's tokens
+  stream gaps        8 greedy streams while `--hostile` maximum-size prompts (text at the character cap: CJK, one
+                     repeated letter, words) arrive `--concurrency` at a time: the largest gap between a stream's
+                     tokens
 Exit status 1 if any probe got a 5xx, dropped a kept-alive connection, or failed its check.
 """
 
@@ -146,7 +147,11 @@ def half_open(u, key, n: int, read_timeout: float) -> list[tuple[str, str, bool]
              f" (read timeout {read_timeout:g} s)", open_ == 0)]
 
 
-def stream_gaps(u, key, streams: int, hostile: int, concurrency: int, max_len: int) -> list[tuple[str, str, bool]]:
+HOSTILE_TEXT = {"cjk": "中", "run": "a", "words": "def "}    # repeated to the character cap
+
+
+def stream_gaps(u, key, streams: int, hostile: int, concurrency: int, max_len: int, kind: str = "cjk"
+                ) -> list[tuple[str, str, bool]]:
     gaps: list[float] = []
     lock = threading.Lock()
 
@@ -170,7 +175,9 @@ def stream_gaps(u, key, streams: int, hostile: int, concurrency: int, max_len: i
 
     def attack(_) -> int:
         conn = _conn(u)
-        status, _ = _post(conn, "/v1/completions", {"prompt": "中" * (64 * max_len), "max_tokens": 1}, key)
+        piece = HOSTILE_TEXT[kind]
+        status, _ = _post(conn, "/v1/completions", {"prompt": piece * (64 * max_len // len(piece)), "max_tokens": 1},
+                          key)
         conn.close()
         return status
 
@@ -183,7 +190,7 @@ def stream_gaps(u, key, streams: int, hostile: int, concurrency: int, max_len: i
     for t in threads:
         t.join()
     worst = max(gaps) if gaps else float("nan")
-    return [(f"{streams} streams, {hostile} max-size hostile prompts ({concurrency} at a time)",
+    return [(f"{streams} streams, {hostile} max-size {kind} prompts ({concurrency} at a time)",
              f"largest token gap {worst:.3f} s over {len(gaps)} gaps; hostile statuses {sorted(set(statuses))}",
              worst < 0.5 and all(s < 500 for s in statuses))]
 
@@ -198,13 +205,18 @@ def main() -> int:
     ap.add_argument("--hostile", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--hostile-text", default="cjk,run,words",
+                    help="what the hostile prompts repeat: cjk (3 tokens a character), run (one letter: few tokens "
+                         "a character, so the whole text is tokenised), words; comma-separated: one gap probe each")
     args = ap.parse_args()
     u = urllib.parse.urlparse(args.url)
     if u.hostname not in ("127.0.0.1", "localhost", "::1"):
         raise SystemExit("serve_hostile.py probes servers on this machine only (loopback)")
     rows = (chat_shapes(u, args.api_key) + disconnects(u, args.api_key)
             + half_open(u, args.api_key, args.half_open, args.read_timeout)
-            + stream_gaps(u, args.api_key, args.streams, args.hostile, args.concurrency, args.max_len))
+            + [row for kind in args.hostile_text.split(",")
+               for row in stream_gaps(u, args.api_key, args.streams, args.hostile, args.concurrency, args.max_len,
+                                      kind)])
     width = max(len(r[0]) for r in rows)
     for name, result, ok in rows:
         print(f"{'ok  ' if ok else 'FAIL'} {name:<{width}}  {result}")

@@ -353,7 +353,7 @@ def _graph_target(args: argparse.Namespace) -> Target:
                                packed_params=args.mode == "scan" and not args.no_pack_params, platform=args.platform)
     # without jdeep's native CPU products: they are a custom call of this process (an exported program runs where it
     # is not registered) and no rule of check-graph's, which are Neuron's, admits them
-    return dataclasses.replace(target, numerics=dataclasses.replace(target.numerics, native_gemm_rows=0))
+    return dataclasses.replace(target, numerics=target.numerics.portable())
 
 
 def cmd_check_graph(args: argparse.Namespace) -> int:

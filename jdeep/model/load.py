@@ -4,7 +4,6 @@ numerics, the params on one device or sharded over a mesh, the Engram tables and
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import warnings
 
@@ -99,7 +98,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     if mesh is not None:
         layout = Layout.for_model(make_mesh(mesh), config.moe_inter_dim)
         # XLA's partitioner cannot split a custom call: it would gather the weights of every native product
-        numerics = dataclasses.replace(numerics, native_gemm_rows=0)
+        numerics = numerics.portable()
     if convert.is_converted(path) and config.engram is not None:
         raise ValueError(f"{path}: converted (Orbax) folders of models with Engram layers are not supported yet; "
                          "load the original checkpoint folder")

@@ -55,7 +55,7 @@ from .requests import Request, RequestError, RequestOutput, check_request
 from .sampling import SEED_MAX, SamplingBatch, SamplingParams, batch_params
 from .scheduler import Iteration, Scheduler, Window
 from .slot_sampling import SlotPenalties, chunk_prompt_logprobs, logprob_entries, refuse_unsupported, sampler
-from .slots import IterationStats, Slot, as_ids, default_batched_tokens
+from .slots import IterationStats, Slot, as_ids, default_batched_tokens, guarded, unless_failed
 from .steps import batch_bucket, length_bucket, pack_chunk, run_step
 from .stops import StopMatcher
 from .warmup import warm_programs
@@ -230,16 +230,15 @@ class Engine:
         now = time.monotonic()
         while free and self.waiting:
             slot = self.waiting.popleft()
-            i = free[0]
             try:
                 row = self._sampling_row(slot)
                 if slot.params.penalized:
-                    self._pen.admit(i, slot.request.ids)
+                    self._pen.admit(free[0], slot.request.ids)
             except Exception as e:      # e.g. a seed no PRNG key holds: this request fails, the queue goes on
                 self._fail(slot, "preparing its sampling parameters", e)
                 failed.append(slot.out)
                 continue
-            free.pop(0)
+            i = free.pop(0)
             self.slots[i] = slot
             slot.out.queue_time = now - slot.arrived
             waited.append(slot.out.queue_time)
@@ -326,18 +325,12 @@ class Engine:
             live[[i - lo for i in penalised]] = True
             self._pen.count(lo, tokens, live)
         nxt = self.model.fetch(tokens)
-        entries, failed = {}, []
-        if want:
+        entries = {}
+        if want:    # (one request's failure is raised again in _deliver, where that request alone fails)
             lp, ids, vals = (self.model.fetch(a) for a in out[1:])
-            for i in want:
-                try:
-                    entries[i] = [logprob_entries(nxt[i - lo], lp[i - lo], ids[i - lo], vals[i - lo],
-                                                  self.slots[i].params.logprobs)]
-                except Exception as e:      # this request's own host work failed: it ends alone
-                    self._fail(self.slots[i], "computing its logprobs", e)
-                    failed.append(self.slots[i].out)
-                    self.slots[i] = None
-        return failed + self._deliver({i: [int(nxt[i - lo])] for i in rows if self.slots[i] is not None}, entries)
+            entries = {i: [guarded(logprob_entries, nxt[i - lo], lp[i - lo], ids[i - lo], vals[i - lo],
+                                   self.slots[i].params.logprobs)] for i in want}
+        return self._deliver({i: [int(nxt[i - lo])] for i in rows}, entries)
 
     def _deliver(self, new: dict[int, Sequence[int]], logprobs: dict[int, list] | None = None) -> list[RequestOutput]:
         """Push each slot's new tokens (slot -> tokens, in order; logprobs: slot -> one entry per token, for
@@ -348,12 +341,12 @@ class Engine:
             finished = False
             for k, t in enumerate(tokens):
                 self._last[i] = t
-                if logprobs and i in logprobs and s.out.logprobs is not None:
-                    s.out.logprobs.append(logprobs[i][k])
                 try:
+                    if logprobs and i in logprobs and s.out.logprobs is not None:
+                        s.out.logprobs.append(unless_failed(logprobs[i][k]))
                     finished = self._push_token(s, int(t))
                 except Exception as e:      # this request's own host work failed: it ends alone
-                    self._fail(s, "detokenising its output", e)
+                    self._fail(s, "handling its output (logprobs, detokenising, stop strings)", e)
                     finished = True
                 if finished:
                     break

@@ -1,9 +1,10 @@
-"""What the Engine keeps per request while it runs (a slot's record) and per iteration (IterationStats), and the
-engine's default token budget."""
+"""What the Engine keeps per request while it runs (a slot's record) and per iteration (IterationStats), the
+engine's default token budget, and the capture of one request's failure in work done for many (guarded)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from .requests import Request, RequestOutput
 from .sampling import SamplingParams
@@ -11,7 +12,7 @@ from .scheduler import floor_pow2
 from .steps import MIN_BUCKET
 from .stops import StopMatcher
 
-__all__ = ["IterationStats", "Slot", "default_batched_tokens", "as_ids"]
+__all__ = ["IterationStats", "Slot", "default_batched_tokens", "as_ids", "guarded", "unless_failed"]
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,19 @@ def as_ids(prompt) -> list[int]:
         return [int(t) for t in prompt] if not isinstance(prompt, (str, bytes)) else []
     except (TypeError, ValueError):
         return []
+
+
+def guarded(fn: Callable, *args) -> Any:
+    """fn(*args), or the exception it raised: one request's host work done for a whole window, whose failure is
+    raised again (unless_failed) where that request alone is handled (Engine._deliver)."""
+    try:
+        return fn(*args)
+    except Exception as e:      # noqa: BLE001
+        return e
+
+
+def unless_failed(value: Any) -> Any:
+    """A value from `guarded`, or its exception raised."""
+    if isinstance(value, Exception):
+        raise value
+    return value

@@ -40,7 +40,6 @@ asked (`--collectives`, `--link-gbps` or `--prefill-len`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -282,7 +281,7 @@ def step_collectives(config: ModelConfig, mesh: Any, batch: int = 1, max_len: in
     {"decode": {kind: Volume, ...}, "prefill": {...}, "compile_s": seconds}."""
     layout = Layout.for_model(make_mesh(mesh, devices), config.moe_inter_dim)
     # as jdeep.load places a model on a mesh: no native CPU products (a custom call XLA cannot partition)
-    numerics = dataclasses.replace(Numerics.for_config(config, None, packed_kv=packed_kv), native_gemm_rows=0)
+    numerics = Numerics.for_config(config, None, packed_kv=packed_kv).portable()
     plan = build_plan(config)
     fn = compiled_step(config, plan, numerics, False, layout, cache=ProgramCache())
     out: dict[str, Any] = {}

@@ -45,7 +45,7 @@ def test_decode_programs_have_no_sort(folder, mode):
     model = jdeep.load(folder, compile_mode=mode)
     # the rules are Neuron's, where jdeep's native CPU products (a custom call) never run: checked without them
     target = Target.of(model)
-    target = dataclasses.replace(target, numerics=dataclasses.replace(target.numerics, native_gemm_rows=0))
+    target = dataclasses.replace(target, numerics=target.numerics.portable())
     programs = model_programs(target, (4, 8), (), 64, cache=ProgramCache())
     assert {p.bucket["step"] for p in programs} == {"decode"}
     for prog in programs:

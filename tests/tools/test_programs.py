@@ -80,8 +80,7 @@ def test_export_regions_buckets_reload_and_run(tmp_path):
         if ".attn." in entry["name"]:               # the state argument is donated and aliased
             assert any(i["donated"] for i in entry["inputs"]) and entry["aliases"]
     # export lowers without jdeep's native CPU products (cli.commands._graph_target): the live step likewise
-    numerics = dataclasses.replace(model.numerics, native_gemm_rows=0)
-    step = jdeep.model.regions.regions_step(model.config, model.plan, numerics, False)
+    step = jdeep.model.regions.regions_step(model.config, model.plan, model.numerics.portable(), False)
     for B in (1, 4):
         for step_kind, S in (("prefill", 16), ("decode", 1)):
             args = _inputs(model, B, S, 64, step_kind)
@@ -106,7 +105,8 @@ def test_export_scan_reload_and_run(tmp_path):
     n_state = len(jax.tree_util.tree_leaves(model.init_state(2, 64)))
     assert sum(i["donated"] for i in entry["inputs"]) == n_state == len(entry["aliases"])
     assert len(entry["inputs"]) <= 128 and json.loads((out / "manifest.json").read_text())["schema"] == "jdeep.export/2"
-    step = model.step_fn(all_logits=False)
+    # export lowers without jdeep's native CPU products (cli.commands._graph_target): the live step likewise
+    step = dataclasses.replace(model, numerics=model.numerics.portable()).step_fn(all_logits=False)
     for name, S in (("b2.prefill", 16), ("b2.decode", 1)):
         live = step(*_inputs(model, 2, S, 64, name[3:])[:5])
         got = call_exported(exported[name], step, *_inputs(model, 2, S, 64, name[3:]))
@@ -117,7 +117,9 @@ def test_export_scan_reload_and_run(tmp_path):
 def test_model_programs_match_a_loaded_model():
     """graphs.Target.of(model) builds the same abstract inputs the model's live step takes."""
     model = jdeep.load(golden_path("v4-tiny-hf"), pack_params=True)
-    (prog,) = [p for p in model_programs(Target.of(model), (2,), 16, 64) if p.bucket["step"] == "decode"]
+    target = Target.of(model)        # checked against Neuron's rules: without the native CPU products
+    target = dataclasses.replace(target, numerics=target.numerics.portable())
+    (prog,) = [p for p in model_programs(target, (2,), 16, 64) if p.bucket["step"] == "decode"]
     live = jax.tree_util.tree_structure(model.params)
     assert jax.tree_util.tree_structure(prog.args[0]) == live
     report = check_lowered(prog.lower(), name=prog.name, n_experts=model.config.n_routed_experts, decode=True,
