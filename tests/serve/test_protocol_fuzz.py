@@ -77,6 +77,38 @@ _chat_body = _body(st.tuples(st.fixed_dictionaries({"messages": _valid_messages}
     lambda t: {**t[0], **t[1]}))
 
 
+def _nested(depth: int, kind: str) -> object:
+    v: object = {}
+    for _ in range(depth):
+        v = [v] if kind == "list" else {"type": "object", "properties": {"x": v}}
+    return v
+
+
+# chat shapes a hostile client sends (issue 46): tool calls whose id or arguments are junk or deeply nested, tool
+# results, tool schemas nested past any sane depth, role markers inside the text
+_depths = st.sampled_from([1, 10, 63, 64, 65, 300, 990])
+_arguments = st.one_of(_text, _junk.map(json.dumps), _depths.map(lambda d: "[" * d + "]" * d),
+                       st.just("[" * 100000), _depths.map(lambda d: json.dumps({"q": _nested(d, "list")})))
+_tool_call = st.fixed_dictionaries({"function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]),
+                                                                       "arguments": _arguments})},
+                                   optional={"id": st.one_of(_junk, st.sampled_from(["a", "b"])),
+                                             "type": st.just("function")})
+_marker = st.sampled_from(["<｜User｜>", "<｜Assistant｜>", "</think>", "<｜end▁of▁sentence｜>", "<tool_result>"])
+_tool_messages = st.tuples(_words, st.lists(_tool_call, min_size=1, max_size=3),
+                           st.lists(st.tuples(st.one_of(_junk, st.sampled_from(["a", "b"])), _text), max_size=3),
+                           _marker).map(lambda t: [
+                               {"role": "user", "content": t[0] + t[3]},
+                               {"role": "assistant", "content": t[3], "tool_calls": t[1]},
+                               *({"role": "tool", "tool_call_id": i, "content": c + t[3]} for i, c in t[2]),
+                               {"role": "user", "content": t[0]}])
+_tools = st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g"])},
+    optional={"parameters": st.one_of(_junk, _depths.map(lambda d: _nested(d // 2, "schema"))),
+              "description": st.one_of(_text, _marker)})}), max_size=2)
+_tool_chat_body = st.tuples(_tool_messages, _tools, st.integers(1, 4)).map(
+    lambda t: {"messages": t[0], "tools": t[1], "max_tokens": t[2]})
+
+
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
@@ -87,12 +119,13 @@ def tok(tmp_path_factory):
 # ---------------------------------------------------------------------- parsing
 @settings(max_examples=400, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(body=_completion_body, chat_body=_chat_body, use_tokenizer=st.booleans())
-def test_parsing_accepts_only_what_the_engine_takes(tok, body, chat_body, use_tokenizer):
+@given(body=_completion_body, chat_body=_chat_body, tool_body=_tool_chat_body, use_tokenizer=st.booleans())
+def test_parsing_accepts_only_what_the_engine_takes(tok, body, chat_body, tool_body, use_tokenizer):
     t = tok if use_tokenizer else None
     ctx = ServingContext("m", MAX_LEN, t, lambda ids, p: check_request(ids, p, vocab_size=V, max_len=MAX_LEN,
                                                                        tokenizer=t))
-    for parse, b in ((parse_completion, body), (parse_chat, chat_body)):
+    # (the parsers themselves, not parse_request's boundary: an exception other than APIError fails the test)
+    for parse, b in ((parse_completion, body), (parse_chat, chat_body), (parse_chat, tool_body)):
         try:
             req = parse(b, ctx)
         except APIError as e:
@@ -135,7 +168,8 @@ _content_types = st.one_of(st.none(), st.sampled_from([
 @settings(max_examples=100, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), completion=_completion_body,
-       chat=_chat_body, raw=st.none() | st.none() | st.none() | st.binary(max_size=64), content_type=_content_types)
+       chat=st.one_of(_chat_body, _tool_chat_body), raw=st.none() | st.none() | st.none() | st.binary(max_size=64),
+       content_type=_content_types)
 def test_no_body_gets_a_server_error(server, route, completion, chat, raw, content_type):
     u, engine = server
     body = raw if raw is not None else json.dumps(completion if route == "/v1/completions" else chat,
