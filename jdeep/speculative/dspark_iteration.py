@@ -1,6 +1,7 @@
 """One iteration of speculative decoding with DeepSeek-V4.1's DSpark drafter (model/dspark.py), as pure functions of
 the params, the target state, the drafter's windows and the per-row Carry, greedy and sampled; dspark_decode.py
-drives them (jdeep.generate), dspark_engine.py runs them over slot windows, dspark_regions.py as regions programs.
+drives them (jdeep.generate), dspark_drafter.py runs them over the engine's slot windows, dspark_regions.py as
+regions programs.
 The protocol (draft, verify, restore, append) is described in dspark_decode.py.
 """
 

@@ -22,9 +22,9 @@ from jdeep import SamplingParams
 from jdeep.cli import build_parser
 from jdeep.presets import tiny_v41_config
 from jdeep.runtime.engine import Engine
-from jdeep.speculative import dspark_decode, dspark_engine
-from jdeep.speculative.dspark_engine import DSparkEngine
-from jdeep.speculative.engine import make_engine
+from jdeep.speculative import dspark_decode, dspark_drafter
+from jdeep.speculative.dspark_drafter import DSparkDrafter
+from jdeep.speculative.engine import SpeculativeEngine, make_engine
 from jdeep.tools.random_weights import random_checkpoint
 
 ENGINE = dict(max_num_seqs=2, max_len=96, prefill_chunk=16, ignore_eos=True)
@@ -62,7 +62,7 @@ def test_dspark_engine_with_engram_gives_the_plain_engines_tokens(golden, monkey
     plain[0].tokens = plain[0].tokens[:plain[0].tokens.index(stop) + 1]
     sampled = (requests[1][0], SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3))
 
-    eng = DSparkEngine(golden, {"method": "dspark", "num_speculative_tokens": k}, **ENGINE)
+    eng = SpeculativeEngine(golden, {"method": "dspark", "num_speculative_tokens": k}, **ENGINE)
     state = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves((eng.state, eng.dstate))]
     assert eng.warmup() == 2 * 2 + 2     # the pool: (draft + verify, prefill 16) x (greedy, sampled)
     for before, after in zip(state, jax.tree_util.tree_leaves((eng.state, eng.dstate))):
@@ -86,7 +86,7 @@ def test_dspark_engine_with_engram_gives_the_plain_engines_tokens(golden, monkey
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(event) if event == BACKEND_COMPILE_EVENT else None)
     real = dspark_decode.draft_program
-    monkeypatch.setattr(dspark_engine, "draft_program", lambda model, greedy: oracle if greedy else real(model, greedy))
+    monkeypatch.setattr(dspark_drafter, "draft_program", lambda model, greedy: oracle if greedy else real(model, greedy))
     spec = _serve(eng, requests + [sampled])
     assert compiles == []
     assert [o.tokens for o in spec[:len(plain)]] == [o.tokens for o in plain]
@@ -115,7 +115,7 @@ def test_dspark_engine_windows_give_the_plain_engines_tokens(no_engram):
     requests = _requests(no_engram.config.vocab_size, seed=1)
     plain = _serve(Engine(no_engram, **ENGINE), requests)
     eng = make_engine(no_engram, {"method": "dspark", "num_speculative_tokens": 2}, **ENGINE)
-    assert isinstance(eng, DSparkEngine) and eng.scheduler.window_mode != "pool"
+    assert isinstance(eng.drafter, DSparkDrafter) and eng.scheduler.window_mode != "pool"
     spec = _serve(eng, requests)
     assert [o.tokens for o in spec] == [o.tokens for o in plain]
     assert eng.spec_stats.as_dict()["iterations"] > 0

@@ -1,0 +1,100 @@
+"""What the speculative engine needs of a drafting method: the `Drafter` protocol and the records its calls take
+(engine.make_drafter picks the implementation of a method name).
+
+A drafter owns the per-slot state of its method (the MTP block's windows and carry, DSpark's windows) as one pytree
+the engine holds beside the backbone's (`engine.dstate`); it never holds slot data itself, so the engine's slot pool
+(admit, compact, reset) drives both. Per iteration the engine asks it to
+
+    prefill   run a prompt chunk through the target and take the taps the drafter reads (the MTP block's input
+              streams, DSpark's tapped hiddens) into its windows; returns each row's first token
+    decode    draft k tokens per decoding row, verify them with the target and finish (accept, restore, keep the
+              drafter's carry for the next iteration); returns up to k + 1 tokens per row and the accepted counts
+
+`decode` is one call rather than draft / verify / finish because the scan compile mode runs the three as one
+program per window (no host round trip); the regions compile mode and Engram models split it into the programs
+their implementation names.
+
+Implementations: `MtpDrafter` (DeepSeek-V4's MTP block, mtp_drafter.py) and `DSparkDrafter` (DeepSeek-V4.1,
+dspark_drafter.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from ..runtime.sampling import SamplingBatch
+
+__all__ = ["Drafter", "DecodeRows", "PrefillChunk"]
+
+
+class DecodeRows(NamedTuple):
+    """The decoding rows of one iteration over slots [start, start + rows): x the last token, p its position, count
+    the tokens emitted so far (int32 [rows] each), live bool [rows] (rows that decode; the others write nothing)."""
+
+    rows: int
+    start: int
+    x: np.ndarray
+    p: np.ndarray
+    count: np.ndarray
+    live: np.ndarray
+
+    @classmethod
+    def idle(cls, rows: int) -> "DecodeRows":
+        """`rows` rows of which none decodes (warm-up: nothing in the state changes)."""
+        z = np.zeros(rows, np.int32)
+        return cls(rows, 0, z, z, z, np.zeros(rows, bool))
+
+
+class PrefillChunk(NamedTuple):
+    """A prefill chunk over slots [start, start + rows): tokens, positions int32 [rows, S] (position -1: padding),
+    next_tokens int32 [rows, S] (each position's following prompt token, -1 where the prompt has none yet or ends),
+    ends bool [rows] (rows whose prompt ends in this chunk: their first token is sampled)."""
+
+    rows: int
+    start: int
+    tokens: np.ndarray
+    positions: np.ndarray
+    next_tokens: np.ndarray
+    ends: np.ndarray
+
+    @classmethod
+    def idle(cls, rows: int, length: int) -> "PrefillChunk":
+        """A chunk of `rows` x `length` padding positions (warm-up)."""
+        neg = np.full((rows, length), -1, np.int32)
+        return cls(rows, 0, np.zeros((rows, length), np.int32), neg, neg, np.zeros(rows, bool))
+
+
+class Drafter(Protocol):
+    """A speculative method's drafter over the engine's slot pool (module docstring). `k` drafts are verified per
+    iteration; `programs_per_decode` is how many compiled programs one `decode` call runs (warm-up's count)."""
+
+    method: str
+    k: int
+    programs_per_decode: int
+
+    def window_mode(self, default: str) -> str:
+        """The scheduler's window mode (scheduler.py) given the plain engine's choice for the model."""
+
+    def new_state(self, n_slots: int, cache_len: int) -> Any:
+        """The drafter's empty per-slot state for a pool of `n_slots` slots of `cache_len` positions."""
+
+    def reset_slots(self, dstate: Any, mask: Any) -> Any:
+        """dstate with the slots where mask (bool [n_slots], on the device) is True emptied (dstate donated)."""
+
+    def move_slot(self, state: Any, dstate: Any, src: Any, dst: Any) -> tuple[Any, Any]:
+        """(state, dstate) with slot src copied over slot dst in both (int32 scalars on the device; one program, both
+        donated)."""
+
+    def prefill(self, state: Any, dstate: Any, chunk: PrefillChunk, sb: SamplingBatch, greedy: bool,
+                history: Any) -> tuple[Any, Any, np.ndarray]:
+        """Run `chunk` (sb: its window's sampling rows; history: the Engram histories, advanced, or None). Returns
+        (state, dstate, first token int32 [rows] on the host, meaningful where chunk.ends)."""
+
+    def decode(self, state: Any, dstate: Any, rows: DecodeRows, sb: SamplingBatch, greedy: bool,
+               history: Any) -> tuple[Any, Any, np.ndarray, np.ndarray]:
+        """One iteration over `rows` (greedy: every live row's temperature is 0). Returns (state, dstate, emitted
+        int32 [rows, k+1] (-1 past what a row emits), accepted int32 [rows] (-1 for rows that did not run)) with
+        emitted and accepted on the host."""
+

@@ -1,0 +1,210 @@
+"""DeepSeek-V4's MTP block as the engine's drafter (drafter.Drafter): each iteration every decoding row drafts k
+tokens, the backbone verifies them in one step and the row takes up to k + 1 tokens (mtp_iteration.draft / finish,
+per window of slots); prefill chunks also run the MTP block, so a request's first iteration drafts from its prompt.
+
+The drafter's per-slot state (`MtpSlots`) is the MTP blocks' window state and, per slot, the drafter's logits for the
+next token and its output streams (mtp_iteration.Carry's mlogits and hm), set when the slot's prompt ends.
+
+Programs per compile mode: in the scan mode an iteration is one program per window size (draft, the backbone's
+verify step over the k + 1 positions, finish) and a prefill chunk one program per (window, chunk); in the regions
+mode (Neuron's) an iteration is the draft program, the regions step over the window and the finish program, and a
+prefill chunk the regions step then the MTP half.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..model.cache import PROGRAMS
+from ..model.model import Model
+from ..model.regions import regions_step
+from ..model.scan import model_step
+from ..runtime.sampling import INT32_MAX, SamplingBatch
+from ..state import move_slot, put_slot_window, slot_window, zero_slots
+from .drafter import DecodeRows, PrefillChunk
+from .mtp_decode import check_mtp_model, new_mtp_state
+from .mtp_iteration import Carry, draft, finish, mtp_params, prefill_tail
+
+__all__ = ["MtpDrafter", "MtpSlots"]
+
+
+class MtpSlots(NamedTuple):
+    """The MTP drafter's per-slot state: mstate (the MTP blocks' layer-major windows, [R, n_slots, ...] leaves),
+    mlogits fp32 [n_slots, V] (the drafter's logits for the token after each slot's last), hm [n_slots, n, d] (the
+    MTP block's output streams at that token's position - 1)."""
+
+    mstate: dict
+    mlogits: jax.Array
+    hm: jax.Array
+
+
+def _rows_of(a: jax.Array, rows: int, start) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(a, start, rows, axis=0)
+
+
+def _put_rows(a: jax.Array, b: jax.Array, start) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(a, b, start, axis=0)
+
+
+def _first_slot(ds: MtpSlots, rows: int, start):
+    return jnp.clip(start, 0, ds.mlogits.shape[0] - rows)
+
+
+def _decode_window(params, state, ds, x, p, count, live, sb, start, *, rows, k, greedy, config, plan, numerics,
+                   layout=None):
+    """One iteration over slots [start, start + rows) as one program (the scan compile mode): x, p, count int32
+    [rows], live bool [rows], sb the window's sampling rows. The regions mode's three calls (_draft_window, the regions
+    step, _finish_window) in one program. Returns (state, ds, emitted int32 [rows, k+1], accepted int32 [rows])."""
+    kw = dict(rows=rows, k=k, greedy=greedy, config=config, plan=plan, numerics=numerics)
+    ds, carry, dr = _draft_window(params, state, ds, x, p, count, live, sb, start, **kw)
+    first = _first_slot(ds, rows, start)
+    logits, sw, XB = model_step(params, slot_window(state, rows, first), dr.tokens, dr.pos, config=config, plan=plan,
+                                numerics=numerics, all_logits=True, hidden=True, layout=layout)
+    state = put_slot_window(state, sw, first)
+    return _finish_window(params, state, ds, carry, dr, logits, XB, sb, start, **kw)
+
+
+def _draft_window(params, state, ds, x, p, count, live, sb, start, *, rows, k, greedy, config, plan, numerics):
+    """The window's carry and the draft (mtp_iteration.draft). Returns (ds, carry, Drafted)."""
+    start = _first_slot(ds, rows, start)
+    carry = Carry(x, p, _rows_of(ds.mlogits, rows, start), _rows_of(ds.hm, rows, start), count, ~live)
+    mw, dr = draft(params, slot_window(state, rows, start), slot_window(ds.mstate, rows, start), carry, sb, k=k,
+                   config=config, plan=plan, numerics=numerics, greedy=greedy)
+    return ds._replace(mstate=put_slot_window(ds.mstate, mw, start)), carry, dr
+
+
+def _finish_window(params, state, ds, carry, dr, logits, XB, sb, start, *, rows, k, greedy, config, plan, numerics):
+    """After the backbone verified the window's k + 1 positions (logits, final streams XB): mtp_iteration.finish.
+    Returns (state, ds, emitted, accepted) as _decode_window."""
+    start = _first_slot(ds, rows, start)
+    stops = jnp.full((rows, 1), -1, jnp.int32)          # the host ends requests
+    max_new = jnp.full((rows,), INT32_MAX, jnp.int32)
+    sw, mw, carry, emitted, a = finish(params, slot_window(state, rows, start), slot_window(ds.mstate, rows, start),
+                                       carry, dr, logits, XB, sb, stops, max_new, k=k, config=config, plan=plan,
+                                       numerics=numerics, greedy=greedy)
+    ds = MtpSlots(put_slot_window(ds.mstate, mw, start), _put_rows(ds.mlogits, carry.mlogits, start),
+                  _put_rows(ds.hm, carry.hm, start))
+    return put_slot_window(state, sw, start), ds, emitted, a
+
+
+def _prefill_window(params, state, ds, tokens, positions, next_tokens, ends, sb, start, *, rows, greedy, config, plan,
+                    numerics, layout=None):
+    """A prefill chunk (the backbone, then _tail_window) over slots [start, start + rows) as one program (the scan
+    mode). Returns (state, ds, first token int32 [rows])."""
+    first_slot = _first_slot(ds, rows, start)
+    logits, sw, X = model_step(params, slot_window(state, rows, first_slot), tokens, positions, config=config,
+                               plan=plan, numerics=numerics, hidden=True, layout=layout)
+    state = put_slot_window(state, sw, first_slot)
+    ds, first = _tail_window(params, ds, logits, X, positions, next_tokens, ends, sb, start, rows=rows, greedy=greedy,
+                             config=config, plan=plan, numerics=numerics)
+    return state, ds, first
+
+
+def _tail_window(params, ds, logits, X, positions, next_tokens, ends, sb, start, *, rows, greedy, config, plan,
+                 numerics):
+    """The MTP half of a prefill chunk, after the backbone ran it (its logits and final streams X); ends bool [rows]:
+    the rows whose carry is set. Returns (ds, first token int32 [rows])."""
+    start = _first_slot(ds, rows, start)
+    first, ml, h, mw = prefill_tail(params, slot_window(ds.mstate, rows, start), logits, X, positions, next_tokens,
+                                    sb, config=config, plan=plan, numerics=numerics, greedy=greedy)
+    ml = jnp.where(ends[:, None], ml, _rows_of(ds.mlogits, rows, start))
+    h = jnp.where(ends[:, None, None], h, _rows_of(ds.hm, rows, start))
+    return MtpSlots(put_slot_window(ds.mstate, mw, start), _put_rows(ds.mlogits, ml, start),
+                    _put_rows(ds.hm, h, start)), first
+
+
+def _move_rows(tree, src, dst):
+    return jax.tree_util.tree_map(
+        lambda a: jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, src, 1, axis=0), dst, axis=0),
+        tree)
+
+
+def _move_all(state, ds, src, dst):
+    return move_slot(state, src, dst), MtpSlots(move_slot(ds.mstate, src, dst), *_move_rows((ds.mlogits, ds.hm),
+                                                                                            src, dst))
+
+
+def _reset(ds, mask):
+    return ds._replace(mstate=zero_slots(ds.mstate, mask))     # mlogits and hm are set when a prompt ends
+
+
+class MtpDrafter:
+    """drafter.Drafter for method "mtp" (a DeepSeek-V4 model loaded with its MTP block: jdeep.load(path, mtp=True))."""
+
+    method = "mtp"
+    programs_per_decode = 1
+
+    def __init__(self, model: Model, k: int):
+        check_mtp_model(model)
+        self.model, self.k = model, k
+
+    def window_mode(self, default: str) -> str:
+        return default
+
+    def new_state(self, n_slots: int, cache_len: int) -> MtpSlots:
+        m = self.model
+        n, d = m.config.hc_mult, m.config.dim
+        carry = (np.zeros((n_slots, m.config.vocab_size), np.float32), np.zeros((n_slots, n, d), m.dtype))
+        carry = jax.device_put(carry, jax.devices()[0]) if m.layout is None else m.layout.put_tree(carry)
+        return MtpSlots(new_mtp_state(m, n_slots, cache_len), *carry)
+
+    def reset_slots(self, dstate: MtpSlots, mask) -> MtpSlots:
+        return PROGRAMS.jit(_reset, donate_argnums=(0,))(dstate, mask)
+
+    def move_slot(self, state, dstate: MtpSlots, src, dst):
+        return PROGRAMS.jit(_move_all, donate_argnums=(0, 1))(state, dstate, src, dst)
+
+    def _program(self, fn, rows: int, donate: tuple[int, ...] = (1, 2), **extra):
+        m = self.model
+        key = (self.method, fn.__name__, rows, tuple(sorted(extra.items())), m.config, m.plan, m.numerics)
+        return PROGRAMS.get(key, lambda: jax.jit(functools.partial(
+            fn, rows=rows, config=m.config, plan=m.plan, numerics=m.numerics, **extra), donate_argnums=donate))
+
+    def _decode_program(self, rows: int, greedy: bool):
+        """(params, state, ds, x, p, count, live, sb, start) -> (state, ds, emitted, accepted) (module docstring)."""
+        m = self.model
+        if m.compile_mode != "regions":
+            return self._program(_decode_window, rows, k=self.k, greedy=greedy, layout=m.layout)
+        draft_p = self._program(_draft_window, rows, donate=(2,), k=self.k, greedy=greedy)   # state: read
+        finish_p = self._program(_finish_window, rows, k=self.k, greedy=greedy)
+        verify = regions_step(m.config, m.plan, m.numerics, True, rows, m.layout, hidden=True)
+
+        def run(params, state, ds, x, p, count, live, sb, start):
+            mp = mtp_params(params)
+            ds, carry, dr = draft_p(mp, state, ds, x, p, count, live, sb, start)
+            (logits, XB), state = verify(params, state, dr.tokens, dr.pos, start=start)
+            return finish_p(mp, state, ds, carry, dr, logits, XB, sb, start)
+        return run
+
+    def _prefill_program(self, rows: int, greedy: bool):
+        """(params, state, ds, tokens, positions, next_tokens, ends, sb, start) -> (state, ds, first)."""
+        m = self.model
+        if m.compile_mode != "regions":
+            return self._program(_prefill_window, rows, greedy=greedy, layout=m.layout)
+        tail = self._program(_tail_window, rows, donate=(1,), greedy=greedy)
+        backbone = regions_step(m.config, m.plan, m.numerics, False, rows, m.layout, hidden=True)
+
+        def run(params, state, ds, tokens, positions, next_tokens, ends, sb, start):
+            (logits, X), state = backbone(params, state, tokens, positions, start=start)
+            ds, first = tail(mtp_params(params), ds, logits, X, positions, next_tokens, ends, sb, start)
+            return state, ds, first
+        return run
+
+    def prefill(self, state, dstate: MtpSlots, chunk: PrefillChunk, sb: SamplingBatch, greedy: bool, history):
+        m, put = self.model, self.model.put
+        state, dstate, first = self._prefill_program(chunk.rows, greedy)(
+            m.params, state, dstate, put(chunk.tokens), put(chunk.positions), put(chunk.next_tokens), put(chunk.ends),
+            sb, put(np.int32(chunk.start)))
+        return state, dstate, m.fetch(first)
+
+    def decode(self, state, dstate: MtpSlots, rows: DecodeRows, sb: SamplingBatch, greedy: bool, history):
+        m, put = self.model, self.model.put
+        state, dstate, emitted, a = self._decode_program(rows.rows, greedy)(
+            m.params, state, dstate, put(rows.x), put(rows.p), put(rows.count), put(rows.live), sb,
+            put(np.int32(rows.start)))
+        return state, dstate, m.fetch(emitted), m.fetch(a)
