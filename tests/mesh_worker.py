@@ -60,7 +60,7 @@ def speculative(mesh: str) -> dict:
 
     demo = os.path.join(os.path.dirname(jdeep.__file__), "demo_model")
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    # at most 7 new tokens: every block is a single iteration (mtp_decode.block_length), one program per run
+    # at most 7 new tokens: every block is a single iteration (speculative.generate.block_length), one program per run
     sp = [SamplingParams(max_new_tokens=7), SamplingParams(max_new_tokens=6, temperature=0.9, seed=3),
           SamplingParams(max_new_tokens=7)]
     prompts = [p + [11, 12] for p in PROMPTS] + [[40, 41, 42]]

@@ -33,7 +33,8 @@ __all__ = ["load"]
 def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: bool | None = None,
          fp8_max: float | None = None, packed_kv: bool = False, progress: bool = False,
          compile_mode: str | None = None, host_embedding: bool = False, pack_params: bool | None = None,
-         mesh=None, mtp: bool = False, weights: str | None = None, vision_placement: str | None = None) -> Model:
+         mesh=None, mtp: bool = False, weights: str | None = None, vision_placement: str | None = None,
+         drafter: bool = False) -> Model:
     """Load a DeepSeek-V4 checkpoint folder (HF layout: config.json + safetensors) or a folder written
     by `jdeep convert` (Orbax).
 
@@ -61,9 +62,10 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     equal the number of devices (of all processes, after jax.distributed.initialize). Each process reads
     only the checkpoint slices its devices hold; routed experts are padded with zero experts to a multiple
     of the expert axis. Both compile modes run on the mesh, with an expert-parallel MoE.
-    mtp: also load the checkpoint's drafter blocks `mtp.*` into params["mtp"]: DeepSeek-V4's MTP blocks
-    (model-spec.md §4.7, model/mtp.py) or DeepSeek-V4.1's DSpark stages (§5.8, model/dspark.py; plan.dspark);
-    otherwise their tensors are checked by name only and not read.
+    drafter (alias: mtp): also load the checkpoint's drafter, the `mtp.*` tensors, into params["mtp"]: DeepSeek-V4's
+    MTP blocks (model-spec.md §4.7, model/mtp.py) or DeepSeek-V4.1's DSpark stages (§5.8, model/dspark.py;
+    plan.dspark), what speculative decoding drafts with; otherwise their tensors are checked by name only and not
+    read.
     weights: how quantized fp8/fp4 weights are kept: "codes" (uint8 codes + ue8m0 scales, decoded inside each GEMM:
     1 or 0.5 bytes per weight) or "decoded" (decoded once here into `dtype`: exact, the same logits, 4 or 2 bytes
     per weight, no decode per step); default: the platform's (kernels.weight_format: codes on Neuron, whose NKI
@@ -90,6 +92,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
         platforms.configure_neuron(generation=plat.generation)
     if fp8_max is None:
         fp8_max = plat.fp8_max
+    mtp = mtp or drafter
     config = ModelConfig.from_file(path)
     plan = build_plan(config, mtp=mtp)
     numerics = Numerics.for_config(config, quantize_activations, fp8_max, packed_kv)

@@ -14,8 +14,7 @@ import numpy as np
 
 from ..model.model import Model
 from ..speculative.config import parse_speculative
-from ..speculative.dspark_decode import dspark_generate
-from ..speculative.mtp_decode import mtp_generate
+from ..speculative.generate import speculative_generate
 from .images import expand_image_prompt, is_image_prompt
 from .requests import RequestError, check_request, prompt_ids
 from .sampling import PenaltyState, SamplingParams, batch_params
@@ -283,10 +282,9 @@ def _speculative(model: Model, requests: list, speculative: dict, prefill_chunk:
         return ended
 
     sent = np.zeros(B, int)
-    spec_generate = {"mtp": mtp_generate, "dspark": dspark_generate}[method]
-    out, _ = spec_generate(model, [r.ids for r in requests], [r.params for r in requests],
-                           [tuple(r.stop_ids) for r in requests], k, prefill_chunk, default_seed=seed,
-                           on_block=on_block, block_iterations=max(1, stream_every))
+    out, _ = speculative_generate(model, [r.ids for r in requests], [r.params for r in requests],
+                                  [tuple(r.stop_ids) for r in requests], method, k, prefill_chunk, default_seed=seed,
+                                  on_block=on_block, block_iterations=max(1, stream_every))
     for b in range(B):                       # tokens after the one completing a stop string are dropped
         out[b, kept[b]:] = -1
     lengths = np.sum(out >= 0, axis=1)

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..runtime.sampling import SamplingBatch
 
-__all__ = ["Drafter", "DecodeRows", "PrefillChunk"]
+__all__ = ["Drafter", "DecodeRows", "PrefillChunk", "RowCarry"]
 
 
 class DecodeRows(NamedTuple):
@@ -66,13 +66,26 @@ class PrefillChunk(NamedTuple):
         return cls(rows, 0, np.zeros((rows, length), np.int32), neg, neg, np.zeros(rows, bool))
 
 
+class RowCarry(NamedTuple):
+    """Per-row values a block of iterations carries on the device (jdeep.generate's speculative path): x int32 [B]
+    (the last accepted token, at position p, not yet in the target state), p int32 [B], count int32 [B] (tokens
+    generated), done bool [B]."""
+
+    x: Any
+    p: Any
+    count: Any
+    done: Any
+
+
 class Drafter(Protocol):
     """A speculative method's drafter over the engine's slot pool (module docstring). `k` drafts are verified per
-    iteration; `programs_per_decode` is how many compiled programs one `decode` call runs (warm-up's count)."""
+    iteration; `programs_per_decode` is how many compiled programs one `decode` call runs (warm-up's count);
+    `blocks_on_device`: whether `block` runs several iterations as one program (else one per host step)."""
 
     method: str
     k: int
     programs_per_decode: int
+    blocks_on_device: bool
 
     def window_mode(self, default: str) -> str:
         """The scheduler's window mode (scheduler.py) given the plain engine's choice for the model."""
@@ -98,3 +111,9 @@ class Drafter(Protocol):
         int32 [rows, k+1] (-1 past what a row emits), accepted int32 [rows] (-1 for rows that did not run)) with
         emitted and accepted on the host."""
 
+    def block(self, state: Any, dstate: Any, carry: RowCarry, sb: SamplingBatch, stops: Any, max_new: Any, n: int,
+              greedy: bool, history: Any) -> tuple[Any, Any, RowCarry, np.ndarray, np.ndarray]:
+        """n iterations over the whole batch without a host read between them (n = 1 unless blocks_on_device),
+        rows ending on the device at their stop ids (stops int32 [B, W], -1 unused) and max_new int32 [B]. Returns
+        (state, dstate, carry, emitted int32 [n, B, k+1], accepted int32 [n, B]) with emitted and accepted on the
+        host."""

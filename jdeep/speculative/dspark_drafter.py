@@ -25,9 +25,10 @@ from ..model.dspark import empty_dspark_state
 from ..model.model import Model
 from ..runtime.sampling import INT32_MAX, SamplingBatch
 from ..state import move_slot, put_slot_window, slot_window, zero_slots
-from .drafter import DecodeRows, PrefillChunk
-from .dspark_decode import check_dspark_model, check_k, dead_tokens, draft_program, verify_program
-from .dspark_iteration import Carry, iteration, prefill_chunk
+from .drafter import DecodeRows, PrefillChunk, RowCarry
+from .dspark_decode import (check_dspark_model, check_k, dead_tokens, draft_program, iterations_program,
+                           verify_program)
+from .dspark_iteration import iteration, prefill_chunk
 from .dspark_regions import RegionsPrograms
 
 __all__ = ["DSparkDrafter"]
@@ -44,8 +45,8 @@ def _decode_window(params, state, dstate, x, p, count, live, sb, start, *, rows,
     [rows, k+1] (-1 past what the row emits), accepted int32 [rows] (-1 for rows that did not run))."""
     stops, max_new = _no_stops(rows)
     sw, dw, _, emitted, a, _ = iteration(params, slot_window(state, rows, start), slot_window(dstate, rows, start),
-                                         Carry(x, p, count, ~live), sb, stops, max_new, k=k, config=config, plan=plan,
-                                         numerics=numerics, greedy=greedy)
+                                         RowCarry(x, p, count, ~live), sb, stops, max_new, k=k, config=config,
+                                         plan=plan, numerics=numerics, greedy=greedy)
     return put_slot_window(state, sw, start), put_slot_window(dstate, dw, start), emitted, a
 
 
@@ -74,8 +75,10 @@ class DSparkDrafter:
         check_k(model, k)
         self.model, self.k = model, k
         self._regions: dict[bool, RegionsPrograms] = {}
-        # the draft and the verify are two programs with the Engram gather between them, or in the regions mode
-        self.programs_per_decode = 1 if model.engram is None and model.compile_mode == "scan" else 2
+        # with Engram the draft and the verify are two programs with the host's gather between them; the regions
+        # mode's programs are called from the host too
+        self.blocks_on_device = model.engram is None and model.compile_mode == "scan"
+        self.programs_per_decode = 1 if self.blocks_on_device else 2
 
     def window_mode(self, default: str) -> str:
         # the regions mode's DSpark programs step the whole pool, as models with Engram do
@@ -116,30 +119,49 @@ class DSparkDrafter:
         return state, dstate, m.fetch(first)
 
     def decode(self, state, dstate, rows: DecodeRows, sb: SamplingBatch, greedy: bool, history):
-        m, put, k = self.model, self.model.put, self.k
-        rp = self._regions_programs(greedy) if m.compile_mode == "regions" else None
-        x, p, live = rows.x, rows.p, rows.live
-        if history is None and rp is None:
-            state, dstate, emitted, a = self._program(_decode_window, rows.rows, k=k, greedy=greedy)(
-                m.params, state, dstate, put(x), put(p), put(rows.count), put(live), sb, put(np.int32(rows.start)))
+        m, put = self.model, self.model.put
+        if self.blocks_on_device:
+            state, dstate, emitted, a = self._program(_decode_window, rows.rows, k=self.k, greedy=greedy)(
+                m.params, state, dstate, put(rows.x), put(rows.p), put(rows.count), put(rows.live), sb,
+                put(np.int32(rows.start)))
             return state, dstate, m.fetch(emitted), m.fetch(a)
         # the whole pool (start 0, rows n_slots): Engram rows gathered between the draft and the verify, or the
         # regions mode's programs
-        carry = Carry(put(x), put(p), put(rows.count), put(~live))
+        carry = RowCarry(put(rows.x), put(rows.p), put(rows.count), put(~rows.live))
+        state, dstate, _, emitted, a = self._host_iteration(state, dstate, carry, sb, *_no_stops(rows.rows), greedy,
+                                                            history)
+        return state, dstate, m.fetch(emitted), m.fetch(a)
+
+    def block(self, state, dstate, carry: RowCarry, sb, stops, max_new, n: int, greedy: bool, history):
+        m = self.model
+        if self.blocks_on_device:
+            state, dstate, carry, emitted, a = iterations_program(m, self.k, n, greedy)(
+                m.params, state, dstate, carry, sb, stops, max_new)
+            return state, dstate, carry, m.fetch(emitted), m.fetch(a)
+        state, dstate, carry, emitted, a = self._host_iteration(state, dstate, carry, sb, stops, max_new, greedy,
+                                                                history)
+        return state, dstate, carry, m.fetch(emitted)[None], m.fetch(a)[None]
+
+    def _host_iteration(self, state, dstate, carry: RowCarry, sb, stops, max_new, greedy: bool, history):
+        """One iteration with a host step between the draft and the verify (module docstring): the Engram rows of
+        [x, d_1..d_k] gathered from a copy of `history`, which then advances by the kept tokens; or the regions
+        mode's programs. Returns (state, dstate, carry, emitted, accepted) on the device."""
+        m, k = self.model, self.k
+        rp = self._regions_programs(greedy) if m.compile_mode == "regions" else None
         drafts, q = (draft_program(m, greedy) if rp is None else rp.drafts)(m.params, dstate, carry, sb)
         if history is not None:
+            x, p, done = m.fetch(carry.x), m.fetch(carry.p), m.fetch(carry.done)
             tokens = np.concatenate([x[:, None], m.fetch(drafts)[:, :k]], axis=1).astype(np.int32)
-            pos = np.where(live[:, None], p[:, None] + np.arange(k + 1, dtype=np.int32)[None, :], -1)
+            pos = np.where(done[:, None], -1, p[:, None] + np.arange(k + 1, dtype=np.int32)[None, :]).astype(np.int32)
             seen = history.copy()
-        stops, max_new = _no_stops(rows.rows)
         if rp is None:
-            state, dstate, _, emitted, a, kept = verify_program(m, k, greedy)(
+            state, dstate, carry, emitted, a, kept = verify_program(m, k, greedy)(
                 m.params, state, dstate, carry, drafts, q, sb, stops, max_new, m.engram_inputs(seen, tokens, pos))
         else:
             engram = None if history is None else [m.engram_inputs(seen, tokens[:, sl], pos[:, sl])
                                                    for sl in rp.slices(state)]
-            state, dstate, _, emitted, a, kept = rp.verify(m.params, state, dstate, carry, drafts, q, sb, stops,
-                                                           max_new, engram)
+            state, dstate, carry, emitted, a, kept = rp.verify(m.params, state, dstate, carry, drafts, q, sb, stops,
+                                                               max_new, engram)
         if history is not None:
             history.advance(tokens, m.fetch(kept), dead_tokens(m, tokens))
-        return state, dstate, m.fetch(emitted), m.fetch(a)
+        return state, dstate, carry, emitted, a

@@ -8,7 +8,7 @@ The protocol (draft, verify, restore, append) is described in dspark_decode.py.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,22 +17,13 @@ from ..model.dspark import dspark_append, dspark_draft, greedy_choice
 from ..model.scan import model_step
 from ..runtime.sampling import SamplingBatch, sample
 from . import undo
+from .drafter import RowCarry as Carry     # (x, p, count, done): the per-row values besides the caches
 from .acceptance import accept, accept_greedy, argmax_ids, distribution, draw, emit
 
 __all__ = ["Carry", "ring_entries", "prefill_chunk", "draft", "verify_inputs", "verify_slices", "save_undo", "verify",
            "finish", "iteration", "iterations"]
 
 _DRAFT_TAG, _ACCEPT_TAG = 1, 1000
-
-
-class Carry(NamedTuple):
-    """Per-row state besides the caches: x int32 [B] (last accepted token, at position p, not in the target state),
-    p int32 [B], count int32 [B] (tokens generated), done bool [B]."""
-
-    x: jax.Array
-    p: jax.Array
-    count: jax.Array
-    done: jax.Array
 
 
 def ring_entries(state: dict) -> int:

@@ -25,8 +25,8 @@ from ..runtime.steps import length_bucket
 from .config import parse_speculative
 from .drafter import DecodeRows, Drafter, PrefillChunk
 from .dspark_drafter import DSparkDrafter
-from .mtp_decode import SpecStats
 from .mtp_drafter import MtpDrafter
+from .stats import SpecStats
 
 __all__ = ["SpeculativeEngine", "make_engine", "make_drafter"]
 

@@ -26,8 +26,8 @@ from ..model.regions import regions_step
 from ..model.scan import model_step
 from ..runtime.sampling import INT32_MAX, SamplingBatch
 from ..state import move_slot, put_slot_window, slot_window, zero_slots
-from .drafter import DecodeRows, PrefillChunk
-from .mtp_decode import check_mtp_model, new_mtp_state
+from .drafter import DecodeRows, PrefillChunk, RowCarry
+from .mtp_decode import check_mtp_model, new_mtp_state, programs
 from .mtp_iteration import Carry, draft, finish, mtp_params, prefill_tail
 
 __all__ = ["MtpDrafter", "MtpSlots"]
@@ -138,9 +138,12 @@ class MtpDrafter:
 
     method = "mtp"
     programs_per_decode = 1
+    blocks_on_device = True
 
     def __init__(self, model: Model, k: int):
         check_mtp_model(model)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {k!r}")
         self.model, self.k = model, k
 
     def window_mode(self, default: str) -> str:
@@ -208,3 +211,11 @@ class MtpDrafter:
             m.params, state, dstate, put(rows.x), put(rows.p), put(rows.count), put(rows.live), sb,
             put(np.int32(rows.start)))
         return state, dstate, m.fetch(emitted), m.fetch(a)
+
+    def block(self, state, dstate: MtpSlots, carry: RowCarry, sb, stops, max_new, n: int, greedy: bool, history):
+        m = self.model
+        full = Carry(carry.x, carry.p, dstate.mlogits, dstate.hm, carry.count, carry.done)
+        state, mstate, full, emitted, a = programs(m, self.k, greedy).iterations(n)(
+            m.params, state, dstate.mstate, full, sb, stops, max_new)
+        return (state, MtpSlots(mstate, full.mlogits, full.hm), RowCarry(full.x, full.p, full.count, full.done),
+                m.fetch(emitted), m.fetch(a))

@@ -1,7 +1,8 @@
 """`jdeep bench --speculative-config`: decode speed with speculative decoding against plain decoding in the same run.
 
 For each batch size, the same prompts are decoded greedily `output_len` tokens plainly (jdeep.generate) and with
-each k in `ks` (MTP or DSpark drafts: mtp_decode.mtp_generate, dspark_decode.dspark_generate), each after a warm-up call so compiling is not timed. Decode
+each k in `ks` (MTP or DSpark drafts: speculative.generate.speculative_generate), each after a warm-up call so
+compiling is not timed. Decode
 time is the whole call less the prefill (the same call with one output token), so decode tok/s =
 B x (output_len - 1) / decode time. With greedy decoding both produce the same tokens ("tokens_equal").
 
@@ -19,8 +20,7 @@ import numpy as np
 from ..model.model import Model
 from ..runtime.generate import generate
 from ..runtime.sampling import SamplingParams
-from ..speculative.dspark_decode import dspark_generate
-from ..speculative.mtp_decode import mtp_generate
+from ..speculative.generate import speculative_generate
 
 __all__ = ["run_speculative", "format_speculative"]
 
@@ -35,7 +35,6 @@ def _timed(fn):
 def run_speculative(model: Model, prompt_sets: Sequence[np.ndarray], output_len: int, ks: Sequence[int],
                     progress=None, method: str = "mtp") -> dict:
     """prompt_sets: one int32 [B, L] batch per batch size (tools/bench.bench_prompts); method "mtp" or "dspark"."""
-    speculate = {"mtp": mtp_generate, "dspark": dspark_generate}[method]
     if output_len < 2:
         raise ValueError(f"the speculative bench needs output_len >= 2, got {output_len}")
     runs = []
@@ -49,7 +48,8 @@ def run_speculative(model: Model, prompt_sets: Sequence[np.ndarray], output_len:
         rows = [np.asarray(r, np.int32) for r in ids]
         for k in ks:
             def spec(n):
-                return lambda: speculate(model, rows, [SamplingParams(max_new_tokens=n)] * B, [()] * B, k)
+                return lambda: speculative_generate(model, rows, [SamplingParams(max_new_tokens=n)] * B, [()] * B, method,
+                                                   k)
             _, spec_prefill = _timed(spec(1))
             (tokens, stats), spec_total = _timed(spec(output_len))
             tok_s = B * (output_len - 1) / max(spec_total - spec_prefill, 1e-9)

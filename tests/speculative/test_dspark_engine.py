@@ -86,7 +86,8 @@ def test_dspark_engine_with_engram_gives_the_plain_engines_tokens(golden, monkey
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(event) if event == BACKEND_COMPILE_EVENT else None)
     real = dspark_decode.draft_program
-    monkeypatch.setattr(dspark_drafter, "draft_program", lambda model, greedy: oracle if greedy else real(model, greedy))
+    monkeypatch.setattr(dspark_drafter, "draft_program",
+                        lambda model, greedy: oracle if greedy else real(model, greedy))
     spec = _serve(eng, requests + [sampled])
     assert compiles == []
     assert [o.tokens for o in spec[:len(plain)]] == [o.tokens for o in plain]

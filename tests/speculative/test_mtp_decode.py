@@ -20,7 +20,7 @@ from jdeep.runtime.sampling import batch_params
 from jdeep.speculative import undo
 from jdeep.speculative.acceptance import accept
 from jdeep.runtime.steps import run_step
-from jdeep.speculative import mtp_decode
+from jdeep.speculative import generate as spec_generate
 
 DEMO = pathlib.Path(jdeep.__file__).parent / "demo_model"
 
@@ -48,8 +48,9 @@ def test_greedy_speculation_equals_plain_greedy(models, quantized, ks):
     plain = jdeep.generate(model, [p.tolist() for p in prompts], max_new_tokens=24, ignore_eos=True)
     want = [plain.tokens[b, :max_new[b]].tolist() for b in range(len(prompts))]
     for k in ks:
-        got, stats, state = mtp_decode.run(model, prompts, [SamplingParams(max_new_tokens=m) for m in max_new],
-                                           [()] * len(prompts), k=k, block_iterations=1)
+        got, stats, (state, _, _) = spec_generate.run(model, prompts,
+                                                      [SamplingParams(max_new_tokens=m) for m in max_new],
+                                                      [()] * len(prompts), "mtp", k=k, block_iterations=1)
         assert [got[b, :max_new[b]].tolist() for b in range(len(prompts))] == want, k
         assert (got[1, max_new[1]:] == -1).all() and (got[3, max_new[3]:] == -1).all()
         assert stats["drafted"] > 0 and 0 <= stats["accepted"] <= stats["drafted"]
@@ -78,8 +79,8 @@ def test_greedy_speculation_matches_deepseek_on_the_golden():
     model, ref = jdeep.load(folder, mtp=True, quantize_activations=False), np.load(folder / "reference_noquant.npz")
     n = len([f for f in ref.files if f.startswith("prompt_")])
     prompts = [ref[f"prompt_{i}"].astype(np.int32) for i in range(n)]
-    got, stats, _ = mtp_decode.run(model, prompts, [SamplingParams(max_new_tokens=16)] * n, [()] * n, k=2,
-                                   block_iterations=1)
+    got, stats, _ = spec_generate.run(model, prompts, [SamplingParams(max_new_tokens=16)] * n, [()] * n, "mtp", k=2,
+                                      block_iterations=1)
     assert stats["iterations"] > 0
     for i in range(n):
         want = ref[f"greedy_{i}"]
@@ -131,7 +132,7 @@ def _assert_state_is_plain(model, state, prompts, tokens, max_new, k):
     """The backbone state after speculative decoding equals the state of plain one-token decoding of the same tokens
     (each prompt, then every emitted token but the last): rejected drafts left no trace."""
     B, rows = len(prompts), jax.tree_util.tree_leaves(state)[0].shape[1]
-    plain = model.init_state(rows, mtp_decode.state_len([len(p) for p in prompts], max_new, k))
+    plain = model.init_state(rows, spec_generate.state_len([len(p) for p in prompts], max_new, k))
     seqs = [np.concatenate([p, tokens[b, :max_new[b] - 1]]) for b, p in enumerate(prompts)]
     longest = max(len(p) for p in prompts)
     toks = np.zeros((rows, longest), np.int32)
@@ -227,8 +228,8 @@ def test_regions_mode_speculation_equals_the_scan_mode(models):
     regions = jdeep.load(DEMO, mtp=True, quantize_activations=False, compile_mode="regions")
     prompts = _prompts(scan)
     sp = [SamplingParams(max_new_tokens=m) for m in (12, 9, 12, 5)]
-    runs = [mtp_decode.run(m, prompts, sp, [()] * len(prompts), k=2) for m in (scan, regions)]
-    (tok_s, stats_s, state_s), (tok_r, stats_r, state_r) = runs
+    runs = [spec_generate.run(m, prompts, sp, [()] * len(prompts), "mtp", k=2) for m in (scan, regions)]
+    (tok_s, stats_s, (state_s, _, _)), (tok_r, stats_r, (state_r, _, _)) = runs
     np.testing.assert_array_equal(tok_r, tok_s)
     assert stats_r == stats_s and stats_s["accepted"] > 0
     for a, b in zip(jax.tree_util.tree_leaves(state_s), jax.tree_util.tree_leaves(state_r)):

@@ -26,7 +26,7 @@ ENGINE = dict(max_num_seqs=2, max_len=96, prefill_chunk=16, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model():
-    return jdeep.load(DEMO, mtp=True, quantize_activations=False)
+    return jdeep.load(DEMO, drafter=True, quantize_activations=False)
 
 
 def _requests(model):
