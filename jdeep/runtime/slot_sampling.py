@@ -28,9 +28,10 @@ from .scheduler import Window
 __all__ = ["SlotPenalties", "sampler", "warm_sampling", "logprob_entries", "chunk_prompt_logprobs",
            "refuse_unsupported", "SPECULATIVE_UNSUPPORTED"]
 
-# what the speculative engines' verify programs do not apply: they take these only "off"
+# what speculative decoding's verify programs do not apply yet: they take these only "off" (docs/speculative.md's
+# feature matrix says why; logit_bias and min_tokens apply at every verified position: acceptance.adjusted)
 SPECULATIVE_UNSUPPORTED = (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
-                           ("logit_bias", ()), ("min_tokens", 0), ("logprobs", None), ("prompt_logprobs", None))
+                           ("logprobs", None), ("prompt_logprobs", None))
 
 
 def refuse_unsupported(params, unsupported, engine: str) -> None:

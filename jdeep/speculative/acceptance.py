@@ -1,9 +1,11 @@
 """Drafting and verifying tokens so that the output has exactly the target model's distribution.
 
 Each row samples with its own SamplingParams (runtime/sampling.py). Its target distribution p at a position is what
-plain decoding draws from there: softmax of the row's filtered logits (temperature, top-k, top-p, min-p), or, for a
-greedy row (temperature 0), the one-hot of the argmax (lowest index on ties, as plain greedy decoding picks). The
-drafter's distribution q goes through the same transform and the draft token is drawn from it.
+plain decoding draws from there: the row's logit_bias and min_tokens applied (`adjusted`: the position's token is
+the row's count + j-th, so min_tokens holds its stop ids back exactly as plain decoding would), then softmax of the
+filtered logits (temperature, top-k, top-p, min-p), or, for a greedy row (temperature 0), the one-hot of the argmax
+(lowest index on ties, as plain greedy decoding picks). The drafter's distribution q goes through the same transform
+and the draft token is drawn from it.
 
 The standard rule (Leviathan et al. 2023; DeepSeek's DeepSpec evaluator, `verify_draft_tokens`):
     draft d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)) (q clamped at 1e-8), in order, until the first
@@ -21,9 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from ..layers.head import argmax_ids
-from ..runtime.sampling import SamplingBatch, filtered_logits
+from ..runtime.sampling import SamplingBatch, adjusted_logits, filtered_logits
 
-__all__ = ["distribution", "draw", "accept", "accept_greedy", "uniform", "argmax_ids", "emit"]
+__all__ = ["adjusted", "greedy_ids", "distribution", "draw", "accept", "accept_greedy", "uniform", "argmax_ids", "emit"]
 
 _Q_FLOOR = 1e-8
 
@@ -33,11 +35,26 @@ def _rows(sb: SamplingBatch, k: int) -> SamplingBatch:
     return SamplingBatch(*(jnp.repeat(a, k, axis=0) for a in sb))
 
 
-def distribution(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
-    """The distribution each row samples from: logits [B, K, V] -> probabilities fp32 [B, K, V] (one-hot of the argmax
-    for greedy rows)."""
+def adjusted(logits: jax.Array, sb: SamplingBatch, count: jax.Array) -> jax.Array:
+    """logits [B, K, V] with each row's logit_bias and min_tokens applied at position j as plain decoding applies them
+    to the token after count + j generated ones (sampling.adjusted_logits, no penalties; count int32 [B]): fp32
+    [B, K, V]. The identity for rows that set neither."""
     B, K, V = logits.shape
-    flat = logits.reshape(B * K, V).astype(jnp.float32)
+    steps = (count[:, None] + jnp.arange(K, dtype=jnp.int32)[None, :]).reshape(B * K)
+    return adjusted_logits(logits.reshape(B * K, V), _rows(sb, K), steps, None).reshape(B, K, V)
+
+
+def greedy_ids(logits: jax.Array, sb: SamplingBatch, count: jax.Array) -> jax.Array:
+    """The token plain greedy decoding takes at each position: the argmax of `adjusted` (lowest id on ties); logits
+    [B, K, V] -> int32 [B, K]."""
+    return argmax_ids(adjusted(logits, sb, count))
+
+
+def distribution(logits: jax.Array, sb: SamplingBatch, count: jax.Array) -> jax.Array:
+    """The distribution each row samples from at each position (`adjusted` at count + j, then the filters):
+    logits [B, K, V] -> probabilities fp32 [B, K, V] (one-hot of the argmax for greedy rows)."""
+    B, K, V = logits.shape
+    flat = adjusted(logits, sb, count).reshape(B * K, V)
     probs = jax.nn.softmax(filtered_logits(flat, _rows(sb, K)), axis=-1)
     greedy = jax.nn.one_hot(argmax_ids(flat), V, dtype=jnp.float32)
     greedy_row = jnp.repeat(sb.temperature <= 0, K)[:, None]
@@ -90,10 +107,12 @@ def accept(drafts: jax.Array, q: jax.Array, p: jax.Array, sb: SamplingBatch, cou
     return tokens.astype(jnp.int32), accepted
 
 
-def accept_greedy(drafts: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`accept` for a batch of greedy rows, from the target's logits fp32 [B, k+1, V] alone (no distributions): the
-    longest prefix of drafts equal to the target's argmax, then its argmax. Same outputs as `accept`."""
-    g = argmax_ids(target_logits)                                                       # [B, k+1]
+def accept_greedy(drafts: jax.Array, target_logits: jax.Array, sb: SamplingBatch, count: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+    """`accept` for a batch of greedy rows, from the target's logits fp32 [B, k+1, V] (no distributions): the longest
+    prefix of drafts equal to the target's greedy token (greedy_ids at count + j), then that token. Same outputs as
+    `accept`."""
+    g = greedy_ids(target_logits, sb, count)                                            # [B, k+1]
     accepted = jnp.sum(jnp.cumprod((drafts == g[:, :-1]).astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     return g, accepted
 

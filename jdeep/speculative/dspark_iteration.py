@@ -13,12 +13,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..model.dspark import dspark_append, dspark_draft, greedy_choice
+from ..model.dspark import dspark_append, dspark_draft
 from ..model.scan import model_step
 from ..runtime.sampling import SamplingBatch, sample
 from . import undo
 from .drafter import RowCarry as Carry     # (x, p, count, done): the per-row values besides the caches
-from .acceptance import accept, accept_greedy, argmax_ids, distribution, draw, emit
+from .acceptance import accept, accept_greedy, distribution, draw, emit, greedy_ids
 
 __all__ = ["Carry", "ring_entries", "prefill_chunk", "draft", "verify_inputs", "verify_slices", "save_undo", "verify",
            "finish", "iteration", "iterations"]
@@ -51,7 +51,8 @@ def prefill_chunk(params, state, dstate, tokens, positions, engram, sb, *, confi
     argmax without the sampler's noise: the same token, and no PRNG in the program)."""
     logits, state, taps = model_step(params, state, tokens, positions, engram, config=config, plan=plan,
                                      numerics=numerics, taps=True)
-    first = argmax_ids(logits) if greedy else sample(logits, sb, jnp.zeros(tokens.shape[:1], jnp.int32))
+    zero = jnp.zeros(tokens.shape[:1], jnp.int32)
+    first = greedy_ids(logits[:, None], sb, zero)[:, 0] if greedy else sample(logits, sb, zero)
     dstate = dspark_append(params, dstate, taps, positions, config=config, plan=plan, numerics=numerics)
     return first, state, dstate
 
@@ -60,13 +61,14 @@ def draft(params, dstate, carry: Carry, sb: SamplingBatch, *, config, plan, nume
     """The drafter's block after each row's x: (drafts int32 [B, block], q fp32 [B, block, V] the distribution each
     draft was drawn from; None for a greedy program). Draft j is drawn with key (count, _DRAFT_TAG + j)."""
     x, p, count, _ = carry
-    if greedy:
-        choose = greedy_choice
+    if greedy:      # (DeepSeek's greedy_choice, the argmax, where a row sets no logit_bias or min_tokens)
+        def choose(logits, j):
+            return greedy_ids(logits[:, None], sb, count + j)[:, 0]
     else:
         def choose(logits, j):
-            return draw(distribution(logits[:, None], sb)[:, 0], sb, count, _DRAFT_TAG + j)
+            return draw(distribution(logits[:, None], sb, count + j)[:, 0], sb, count, _DRAFT_TAG + j)
     ids, logits, _ = dspark_draft(params, dstate, x, p, config=config, plan=plan, numerics=numerics, choose=choose)
-    return ids, (None if greedy else distribution(logits, sb))
+    return ids, (None if greedy else distribution(logits, sb, count))
 
 
 def verify_inputs(carry: Carry, drafts, *, k: int, vocab_size: int) -> tuple[jax.Array, jax.Array]:
@@ -123,9 +125,9 @@ def finish(params, state, dstate, carry: Carry, drafts, q, logs, logits, taps, s
     drafts = jnp.clip(drafts[:, :k], 0, config.vocab_size - 1)       # (indices from an input: Neuron's S12)
     logits, taps = jnp.concatenate(logits, axis=1), jnp.concatenate(taps, axis=1)
     if greedy:
-        g, a = accept_greedy(drafts, logits)
+        g, a = accept_greedy(drafts, logits, sb, count)
     else:
-        g, a = accept(drafts, q[:, :k], distribution(logits, sb), sb, count, _ACCEPT_TAG)
+        g, a = accept(drafts, q[:, :k], distribution(logits, sb, count), sb, count, _ACCEPT_TAG)
     n, rejected, emitted, count, ended = emit(g, a, stops, max_new, count, live)
     # the state keeps positions p .. p+n-1 (x and the emitted tokens but the last), as plain decoding's would
     for sl, (index, saved) in reversed(list(zip(verify_slices(state, k), logs))):

@@ -24,7 +24,7 @@ from ..model.dspark import dspark_append
 from ..model.model import Model
 from ..model.regions import regions_step
 from ..runtime.sampling import sample
-from .acceptance import argmax_ids
+from .acceptance import greedy_ids
 from .dspark_iteration import Carry, draft, finish, save_undo, verify_inputs, verify_slices
 from .mtp_iteration import mtp_params
 
@@ -33,7 +33,8 @@ __all__ = ["RegionsPrograms", "prefill_tail", "verify_chunks"]
 
 def prefill_tail(params, dstate, logits, taps, positions, sb, *, greedy, config, plan, numerics):
     """The drafter's half of a prefill chunk after the regions step: (first token int32 [B], dstate)."""
-    first = argmax_ids(logits) if greedy else sample(logits, sb, jnp.zeros(positions.shape[:1], jnp.int32))
+    zero = jnp.zeros(positions.shape[:1], jnp.int32)
+    first = greedy_ids(logits[:, None], sb, zero)[:, 0] if greedy else sample(logits, sb, zero)
     return first, dspark_append(params, dstate, taps, positions, config=config, plan=plan, numerics=numerics)
 
 

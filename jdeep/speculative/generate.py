@@ -90,7 +90,7 @@ def run(model: Model, prompts, sampling, stop_ids, method: str, k: int, prefill_
     max_len = state_len([len(p) for p in prompts], max_new[:B], k)
     state, dstate = model.init_state(Bb, max_len), drafter.new_state(Bb, max_len)
     history = model.new_history(Bb)
-    sb = batch_params(list(sampling), Bb, default_seed=default_seed)
+    sb = batch_params(list(sampling), Bb, default_seed=default_seed, stop_ids=stop_ids)
     width = max(1, max(len(s) for s in stop_ids))
     stops = np.full((Bb, width), -1, np.int32)
     for b, s in enumerate(stop_ids):

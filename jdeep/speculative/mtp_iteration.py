@@ -36,7 +36,7 @@ from ..model.mtp import mtp_step
 from ..model.scan import model_step
 from ..runtime.sampling import SamplingBatch, sample
 from . import undo
-from .acceptance import accept, accept_greedy, argmax_ids, distribution, draw, emit
+from .acceptance import accept, accept_greedy, distribution, draw, emit, greedy_ids
 
 __all__ = ["Carry", "Drafted", "prefill_chunk", "prefill_tail", "iteration", "draft", "finish", "iterations",
            "mtp_params"]
@@ -84,7 +84,8 @@ def prefill_tail(params, mstate, logits, X, positions, next_tokens, sb, *, confi
     draws it, runtime/sampling.sample with step 0; greedy: every row is greedy, the argmax without the sampler's
     noise: the same token) goes in at each row's last prompt position. Returns (first int32 [B], mlogits fp32
     [B, V], hm [B, n, d], mstate)."""
-    first = argmax_ids(logits) if greedy else sample(logits, sb, jnp.zeros(positions.shape[:1], jnp.int32))
+    zero = jnp.zeros(positions.shape[:1], jnp.int32)
+    first = greedy_ids(logits[:, None], sb, zero)[:, 0] if greedy else sample(logits, sb, zero)
     nxt = jnp.where(next_tokens >= 0, next_tokens, first[:, None])
     mlogits, XM, mstate = mtp_step(params, mstate, X, nxt, positions, config=config, plan=plan, numerics=numerics,
                                    all_logits=False)
@@ -133,8 +134,8 @@ def draft(params, state, mstate, carry: Carry, sb: SamplingBatch, *, k, config, 
     def propose(logits, i):
         """A draft token from the drafter's logits [B, V] (and its distribution, unless greedy)."""
         if greedy:
-            return argmax_ids(logits), None
-        q = distribution(logits[:, None], sb)[:, 0]
+            return greedy_ids(logits[:, None], sb, count + i)[:, 0], None
+        q = distribution(logits[:, None], sb, count + i)[:, 0]
         return draw(q, sb, count, _DRAFT_TAG + i), q
 
     d, qi = propose(mlogits, 0)
@@ -161,9 +162,9 @@ def finish(params, state, mstate, carry: Carry, dr: Drafted, logits, XB, sb: Sam
     pos = dr.pos
     drafts = jnp.clip(dr.tokens[:, 1:], 0, logits.shape[-1] - 1)     # (indices from an input: Neuron's S12)
     if greedy:
-        g, a = accept_greedy(drafts, logits)
+        g, a = accept_greedy(drafts, logits, sb, count)
     else:
-        g, a = accept(drafts, dr.q, distribution(logits, sb), sb, count, _ACCEPT_TAG)
+        g, a = accept(drafts, dr.q, distribution(logits, sb, count), sb, count, _ACCEPT_TAG)
     n, rejected, emitted, count, ended = emit(g, a, stops, max_new, count, live)
     # the state keeps positions p .. p+n-1 (x and the emitted tokens but the last), as plain decoding's would
     state = undo.restore(state, dr.b_saved, undo.entry_index(state, plan, pos), rejected)

@@ -149,3 +149,22 @@ def test_dspark_engine_in_the_regions_mode(golden):
     assert eng.scheduler.window_mode == "pool"
     assert [o.tokens for o in _serve(eng, requests)] == [o.tokens for o in plain]
     assert eng.spec_stats.as_dict()["iterations"] > 0
+
+
+def test_dspark_engine_applies_logit_bias_and_min_tokens(no_engram):
+    """logit_bias and min_tokens at every verified position (acceptance.adjusted): greedy requests that set them get
+    the plain engine's tokens with DSpark drafting (windows), and the settings change the tokens; jdeep.generate's
+    speculative path gives them too."""
+    V = no_engram.config.vocab_size
+    prompt = _requests(V, seed=3)[1][0]
+    free = jdeep.generate(no_engram, [prompt], max_new_tokens=10, ignore_eos=True).tokens[0].tolist()
+    asks = [(prompt, SamplingParams(max_new_tokens=10, logit_bias=((free[0], -100.0), (free[3], 5.0)))),
+            (prompt, SamplingParams(max_new_tokens=10, min_tokens=5, stop_token_ids=(free[1],)))]
+    spec = {"method": "dspark", "num_speculative_tokens": 2}
+    plain = _serve(Engine(no_engram, **ENGINE), asks, join_after=0)
+    got = _serve(make_engine(no_engram, spec, **ENGINE), asks, join_after=0)
+    assert [o.tokens for o in got] == [o.tokens for o in plain]
+    assert all(o.tokens != free[:len(o.tokens)] for o in plain)
+    generated = jdeep.generate(no_engram, [p for p, _ in asks], sampling=[s for _, s in asks], ignore_eos=True,
+                               speculative=spec)
+    assert [generated.tokens[b, :generated.lengths[b]].tolist() for b in range(2)] == [o.tokens for o in plain]

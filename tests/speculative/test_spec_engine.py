@@ -98,3 +98,28 @@ def test_regions_mode_engine_gives_the_plain_engines_tokens(model):
     spec = _serve(eng, requests)
     assert [o.tokens for o in spec] == [o.tokens for o in plain]
     assert eng.spec_stats.as_dict()["accepted"] > 0
+
+
+def test_logit_bias_and_min_tokens_with_speculation(model):
+    """logit_bias and min_tokens apply at every verified position (acceptance.adjusted, the count + j-th token's
+    values): through the OpenAI client, the MTP server's greedy completions equal plain decoding's for requests that
+    set them, and the settings change the tokens."""
+    prompt = _requests(model)[1][0]
+    free = jdeep.generate(model, [prompt], max_new_tokens=12, ignore_eos=True).tokens[0].tolist()
+    stop = free[2]
+    asks = [({"logit_bias": {str(free[0]): -100, str(free[4]): 4}}, SamplingParams(
+                max_new_tokens=12, logit_bias=((free[0], -100.0), (free[4], 4.0)))),
+            ({"extra_body": {"min_tokens": 6, "stop_token_ids": [stop], "return_token_ids": True}}, SamplingParams(
+                max_new_tokens=12, min_tokens=6, stop_token_ids=(stop,)))]
+    engine = make_engine(model, SPEC, **ENGINE)
+    with background_server(engine, ServerSettings("demo")) as (url, _):
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+        for body, sp in asks:
+            want = jdeep.generate(model, [prompt], sampling=sp, ignore_eos=True)
+            want = want.tokens[0, :want.lengths[0]].tolist()
+            r = client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0,
+                                          extra_body={"return_token_ids": True, **body.get("extra_body", {})},
+                                          **{k: v for k, v in body.items() if k != "extra_body"})
+            assert r.choices[0].token_ids == want
+            assert want != free[:len(want)]
+    assert stop in free[:3] and stop not in want[:6]           # held back until the request has min_tokens
