@@ -1,37 +1,29 @@
 """Continuous batching over a fixed pool of sequence slots, with chunked prefill mixed into decode.
 
-The decode state is allocated once for `max_num_seqs` slots (a power of two) and `max_len` tokens.
-Requests wait in a queue, take the lowest free slot (its rows of the state are reset, nothing is reallocated),
-prefill in chunks and decode one token per iteration until they meet their length, a stop token, EOS or a stop
-string. Each iteration (`step`) follows scheduler.py: schedule -> run -> postprocess. Every decoding request gets
-its next token from one decode program over the window of slots that holds them ([rows, 1]), and the rest of the
-token budget (`max_num_batched_tokens`) goes to prefill chunks, oldest request first, in one prefill program over
-the window of the slots it serves ([rows, S]); so a long prompt never stops the running streams. Windows are
-aligned power-of-two blocks of slots and one compiled program serves every window of a size (its first slot is a
-traced argument), so the compiled set is a decode program per rows bucket and a prefill program per (rows, chunk
-bucket) within the budget (`warmup` compiles them all). Rows inside a window that the program does not serve carry
-position -1: they neither write state nor disturb the others, so a request's tokens do not depend on its company.
-When requests leave, the highest slots move down into free ones (`move_slot`, one small program) so that long-lived
-requests do not keep a large window alive. (Models with Engram layers step the whole pool: their host-side n-gram
-histories are per pool row. On a device mesh windows start at slot 0, whose batch axis is sharded.)
+The decode state is allocated once for `max_num_seqs` slots (a power of two) and `max_len` tokens. Requests wait in
+a queue, take the lowest free slot (its state rows reset, nothing reallocated), prefill in chunks and decode one token
+per iteration until their length, a stop token, EOS or a stop string. Each iteration (`step`, scheduler.py): one
+decode program over the window of slots holding the decoding requests ([rows, 1]), then the rest of the token budget
+(`max_num_batched_tokens`) as prefill chunks, oldest first, in one prefill program over their window ([rows, S]), so
+a long prompt never stops the running streams. Windows are aligned power-of-two blocks of slots, one compiled program
+per size (the first slot is traced): a decode program per rows bucket and a prefill program per (rows, chunk bucket)
+(`warmup` compiles them all). Rows a program does not serve carry position -1 and write nothing, so a request's tokens
+do not depend on its company. When requests leave, the highest slots move down (`move_slot`) so long-lived requests
+do not keep a large window alive. (Models with Engram step the whole pool: their n-gram histories are per pool row.
+On a device mesh windows start at slot 0, whose batch axis is sharded.)
 
 Bad requests (invalid sampling values, out-of-vocabulary ids, prompts that do not fit) finish at once with
-finish_reason "error" and a message; the engine keeps serving the rest. `check_request` runs the same validation
-(requests.py) without queueing and returns a Request that `add_request` takes as it is (a server answers 400 with
-the error, and validates nothing twice); `abort` ends a request and frees its slot at once; `release` drops a
-finished request's record.
+finish_reason "error" and a message. `check_request` validates (requests.py) without queueing and returns a Request
+`add_request` takes as it is (a server answers 400, validating nothing twice); `abort` ends a request and frees its
+slot; `release` drops a finished request's record. Host work for one request (its sampling row and PRNG key, stop
+matcher, detokenising) runs per request: an exception there ends that request alone ("error", with a message) while
+the others get exactly the tokens they would have; a failed device program raises out of `step`, and `reset` then
+readies the engine for the next request.
 
-Failures stay with their request: the host work done for one request (its sampling row and PRNG key at admission,
-its stop-string matcher, detokenising and matching its tokens) runs per request, and an exception there finishes
-that request alone with finish_reason "error" (and a message naming it) and frees its slot; the other requests in
-the same step go on with exactly the tokens they would have produced without it. A failure of the step itself (the
-device program) raises out of `step`; `reset` then leaves the engine ready for the next request.
-
-With a tokenizer the engine owns the text: each request's tokens are detokenised incrementally and matched
-against its stop strings once, as they arrive; RequestOutput.text grows by whole characters (a possible stop
-string's beginning is held back) and ends before the stop string. Logprobs come from the sampler program itself
-(RequestOutput.logprobs; prompt logprobs from an all-positions prefill step of the chunks that hold such a prompt);
-penalised requests' token counts live on the device (slot_sampling.py)."""
+With a tokenizer the engine owns the text: each request's tokens are detokenised incrementally and matched against
+its stop strings once, as they arrive; RequestOutput.text grows by whole characters (a stop string's possible
+beginning is held back) and ends before the stop string. Logprobs come from the sampler program (prompt logprobs from
+an all-positions prefill step); penalised requests' token counts live on the device (slot_sampling.py)."""
 
 from __future__ import annotations
 
@@ -50,7 +42,8 @@ from ..model.model import Model
 from ..state import move_slot, reset_slots
 from .images import ImagePrompt, split_images
 from .prefix_cache import PrefixStats
-from .prefix_snapshot import admit_cached, cut_at_targets, prefix_cache_for, snapshot_prefills
+from .prefix_snapshot import (admit_cached, cut_at_targets, prefix_cache_for, restore_snapshot, snapshot_prefills,
+                              take_snapshot)
 from .requests import Request, RequestError, RequestOutput, check_request
 from .sampling import SEED_MAX, SamplingBatch, SamplingParams, batch_params
 from .scheduler import Iteration, Scheduler, Window
@@ -289,6 +282,13 @@ class Engine:
     def _move_slot(self, src, dst) -> None:
         """Copy slot src's device state over slot dst (int32 scalars placed on the device; the state donated)."""
         self.state = PROGRAMS.jit(move_slot, donate_argnums=(0,))(self.state, src, dst)
+
+    def snapshot_slot(self, i: int, p: int) -> tuple[object, int]:
+        """(snapshot, device bytes) of slot i's device state after p prompt tokens (prefix_snapshot.py)."""
+        return take_snapshot(self.prefix_cache, self.state, self.model.put(np.int32(i)), p)
+
+    def restore_slot(self, i: int, snap) -> None:     # (a snapshot_slot snapshot over slot i's device state)
+        self.state = restore_snapshot(self.state, snap, self.model.put(np.int32(i)))
 
     def _sampling_row(self, slot: Slot) -> SamplingBatch:
         """One request's sampling values and PRNG key as a 1-row host batch (host work for one request)."""

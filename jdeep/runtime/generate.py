@@ -107,7 +107,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str | Mapping], max
     checkpoint's drafter (V4's MTP block, V4.1's DSpark stages; jdeep.load(path, mtp=True)) and verifies them in one
     step (jdeep/speculative): greedy requests get the tokens of plain decoding, sampled ones the same distribution;
     blocks of up to `stream_every` iterations run on the device between host reads (per iteration for Engram
-    models); no return_logits, and no penalties, logit_bias, min_tokens or logprobs (a RequestError naming the field).
+    models); logit_bias, min_tokens, logprobs and return_logits as plain decoding has them; no penalties or prompt
+    logprobs (a RequestError naming the field; docs/speculative.md's feature matrix says why).
     """
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
@@ -261,8 +262,6 @@ def _speculative(model: Model, requests: list, speculative: dict, prefill_chunk:
     decoding's tokens, sampled ones tokens with the same distribution; stop strings and streaming as plain decoding
     has them."""
     method, k = parse_speculative(speculative)
-    if return_logits:
-        raise ValueError("speculative decoding does not return logits (return_logits=False)")
     B = len(requests)
     matchers = {b: StopMatcher(tokenizer, r.params.stop) for b, r in enumerate(requests) if r.params.stop}
     kept = np.array([r.params.max_new_tokens for r in requests])
@@ -282,17 +281,25 @@ def _speculative(model: Model, requests: list, speculative: dict, prefill_chunk:
         return ended
 
     sent = np.zeros(B, int)
-    out, _ = speculative_generate(model, [r.ids for r in requests], [r.params for r in requests],
-                                  [tuple(r.stop_ids) for r in requests], method, k, prefill_chunk, default_seed=seed,
-                                  on_block=on_block, block_iterations=max(1, stream_every))
+    params = [r.params for r in requests]
+    want_lp = any(p.logprobs is not None for p in params)
+    out, _, _, outputs = speculative_generate(model, [r.ids for r in requests], params,
+                                              [tuple(r.stop_ids) for r in requests], method, k, prefill_chunk,
+                                              default_seed=seed, on_block=on_block,
+                                              block_iterations=max(1, stream_every), logprobs=want_lp,
+                                              logits=return_logits)
+    logits = outputs.logits
     for b in range(B):                       # tokens after the one completing a stop string are dropped
         out[b, kept[b]:] = -1
+        if logits is not None:
+            logits[b, kept[b]:] = np.nan
     lengths = np.sum(out >= 0, axis=1)
     texts = None
     if tokenizer is not None:
         texts = [matchers[b].text if b in matchers and matchers[b].stopped else tokenizer.decode(out[b, :lengths[b]])
                  for b in range(B)]
-    return GenerateOutput(out, None, lengths, texts)
+    lps = [outputs[1:4]] if want_lp else None
+    return GenerateOutput(out, logits, lengths, texts, _token_logprobs(out, lengths, params, lps))
 
 
 def forward(model: Model, token_ids: Sequence[int], pad_to: int | None = None) -> np.ndarray:

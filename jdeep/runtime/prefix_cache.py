@@ -70,7 +70,7 @@ class PrefixPlan:
 
 @dataclass
 class _Entry:
-    tokens: np.ndarray       # int32 [p]: the prefix itself (verified on a hit)
+    tokens: np.ndarray       # int32 [p + lookahead]: the prefix itself and the tokens after it (verified on a hit)
     snapshot: Any            # the device snapshot (state.snapshot_slot)
     nbytes: int
 
@@ -79,15 +79,21 @@ class PrefixCache:
     """Snapshots of decode state by block-aligned token prefix, LRU under `budget_bytes` device bytes.
 
     max_len: the decode state's length (the snapshot programs need it); block: the prefix granularity;
-    seen_blocks: how many prefix digests the branch-point table remembers. `plans` holds the snapshot points of the
-    requests prefilling now, by request id (the engine's hooks in prefix_snapshot.py fill and drain it)."""
+    seen_blocks: how many prefix digests the branch-point table remembers; lookahead: how many tokens after a prefix
+    its snapshot depends on as well (1 for the MTP drafter, whose window entry at the prefix's last position holds the
+    next token), so a hit needs them equal too. `plans` holds the snapshot points of the requests prefilling now, by
+    request id (the engine's hooks in prefix_snapshot.py fill and drain it)."""
 
-    def __init__(self, budget_bytes: int, max_len: int, block: int = DEFAULT_BLOCK, seen_blocks: int = 1 << 16):
+    def __init__(self, budget_bytes: int, max_len: int, block: int = DEFAULT_BLOCK, seen_blocks: int = 1 << 16,
+                 lookahead: int = 0):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {budget_bytes!r}")
         if block < 1 or seen_blocks < 0:
             raise ValueError(f"the prefix cache needs a block >= 1 and seen_blocks >= 0, got {block}, {seen_blocks}")
+        if lookahead not in (0, 1):
+            raise ValueError(f"the prefix cache's lookahead is 0 or 1 token, got {lookahead!r}")
         self.budget, self.max_len, self.block, self.seen_blocks = budget_bytes, max_len, block, seen_blocks
+        self.lookahead = lookahead
         self.stats = PrefixStats()
         self.plans: dict[str, PrefixPlan] = {}
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
@@ -99,8 +105,8 @@ class PrefixCache:
         return block_hashes(prompt, self.block, (len(prompt) - 1) // self.block)
 
     def _get(self, prompt: np.ndarray, chain: list[bytes], p: int) -> _Entry | None:
-        entry = self._entries.get(chain[p // self.block - 1])
-        if entry is None or len(entry.tokens) != p or not np.array_equal(entry.tokens, prompt[:p]):
+        entry, n = self._entries.get(chain[p // self.block - 1]), p + self.lookahead
+        if entry is None or len(entry.tokens) != n or len(prompt) < n or not np.array_equal(entry.tokens, prompt[:n]):
             return None
         return entry
 
@@ -150,7 +156,7 @@ class PrefixCache:
             _, freed = self._entries.popitem(last=False)
             self.stats.bytes -= freed.nbytes
             self.stats.evictions += 1
-        self._entries[key] = _Entry(np.array(prompt[:p], np.int32), snapshot, nbytes)
+        self._entries[key] = _Entry(np.array(prompt[:p + self.lookahead], np.int32), snapshot, nbytes)
         self.stats.bytes += nbytes
         self.stats.inserts += 1
         self.stats.entries = len(self._entries)
@@ -158,7 +164,7 @@ class PrefixCache:
 
     def prefixes(self) -> list[tuple[int, int]]:
         """(length, device bytes) of each cached prefix, least recently used first."""
-        return [(len(e.tokens), e.nbytes) for e in self._entries.values()]
+        return [(len(e.tokens) - self.lookahead, e.nbytes) for e in self._entries.values()]
 
     def clear(self) -> None:
         """Drop every snapshot (counters other than bytes and entries are kept)."""

@@ -24,8 +24,9 @@ v41-tiny-q's logits with 64-token chunks). The cache cuts chunks only at block m
 are whole blocks (bucket >= 128 with prefill_chunk >= 128); a hit's prompt tail after the prefix may be chunked
 in smaller buckets than a from-scratch run would chunk it, and then differs from it as any rechunking does.
 
-Not served: requests asking for prompt logprobs look nothing up (they need every prompt position's logits), a
-device mesh (model.layout) and the speculative engines (their drafter state is not snapshotted) refuse the cache.
+The engine takes and restores a slot's snapshot (Engine.snapshot_slot / restore_slot): the speculative engine's
+pairs the target's with its drafter's (Drafter.snapshot). Not served: requests asking for prompt logprobs look
+nothing up (they need every prompt position's logits); a device mesh (model.layout) refuses the cache.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ __all__ = ["prefix_cache_for", "admit_cached", "cut_at_targets", "snapshot_prefi
            "restore_snapshot", "replay_history", "warm_snapshots"]
 
 
-def prefix_cache_for(model, budget_bytes: int, max_len: int) -> PrefixCache | None:
+def prefix_cache_for(model, budget_bytes: int, max_len: int, lookahead: int = 0) -> PrefixCache | None:
     """The Engine's cache for a decode state of `max_len` tokens (None when budget_bytes is 0); ValueError for a
-    model on a device mesh. The block is DEFAULT_BLOCK, or a multiple of a larger compress ratio."""
+    model on a device mesh. The block is DEFAULT_BLOCK, or a multiple of a larger compress ratio; lookahead:
+    PrefixCache's."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {budget_bytes!r}")
     if not budget_bytes:
@@ -55,7 +57,7 @@ def prefix_cache_for(model, budget_bytes: int, max_len: int) -> PrefixCache | No
         raise ValueError("prefix caching does not support a model on a device mesh yet (its snapshots would have to "
                          "follow the state's sharding): use prefix_cache_bytes=0")
     ratios = [k.ratio for k in model.config.attention_kinds if k.ratio > 0]
-    return PrefixCache(budget_bytes, max_len, block=math.lcm(DEFAULT_BLOCK, *ratios))
+    return PrefixCache(budget_bytes, max_len, block=math.lcm(DEFAULT_BLOCK, *ratios), lookahead=lookahead)
 
 
 def take_snapshot(cache: PrefixCache, state: dict, slot: jax.Array, p: int) -> tuple[dict, int]:
@@ -98,7 +100,7 @@ def admit_cached(engine, slots: list[int]) -> None:
         if s.params.prompt_logprobs is None:
             n, snap = cache.lookup(ids, chain)
             if snap is not None:
-                engine.state = restore_snapshot(engine.state, snap, engine.model.put(np.int32(i)))
+                engine.restore_slot(i, snap)
                 if engine.history is not None:
                     replay_history(engine.history, i, ids[:n], engine.model.config.image_token_id)
                 s.prefilled = n
@@ -141,7 +143,7 @@ def snapshot_prefills(engine, slots) -> None:
         if not plan.targets:
             del cache.plans[s.out.request_id]
         if not cache.cached(s.request.ids, plan.chain, p):
-            snap, nbytes = take_snapshot(cache, engine.state, engine.model.put(np.int32(i)), p)
+            snap, nbytes = engine.snapshot_slot(i, p)
             cache.insert(s.request.ids, plan.chain, p, snap, nbytes)
 
 
@@ -151,10 +153,9 @@ def warm_snapshots(engine) -> int:
     cache, n = engine.prefix_cache, 0
     if cache is None or engine.max_len - 1 < cache.block:      # (no prefix that short can be cached)
         return 0
-    zero = engine.model.put(np.int32(0))
     size, largest = cache.block, length_bucket(engine.max_len - 1, cache.block)
     while size <= largest:
-        snap, _ = take_snapshot(cache, engine.state, zero, size)
-        engine.state = restore_snapshot(engine.state, snap, zero)
+        snap, _ = engine.snapshot_slot(0, size)
+        engine.restore_slot(0, snap)
         size, n = size * 2, n + 2
     return n

@@ -29,9 +29,10 @@ __all__ = ["SlotPenalties", "sampler", "warm_sampling", "logprob_entries", "chun
            "refuse_unsupported", "SPECULATIVE_UNSUPPORTED"]
 
 # what speculative decoding's verify programs do not apply yet: they take these only "off" (docs/speculative.md's
-# feature matrix says why; logit_bias and min_tokens apply at every verified position: acceptance.adjusted)
+# feature matrix says why; logit_bias and min_tokens apply at every verified position: acceptance.adjusted, and
+# logprobs come from the target's logits at each emitted position: acceptance.Emitted)
 SPECULATIVE_UNSUPPORTED = (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
-                           ("logprobs", None), ("prompt_logprobs", None))
+                           ("prompt_logprobs", None))
 
 
 def refuse_unsupported(params, unsupported, engine: str) -> None:

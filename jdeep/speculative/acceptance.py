@@ -19,15 +19,39 @@ purpose tag, so a request's draws do not depend on the batch it shares.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from ..layers.head import argmax_ids
-from ..runtime.sampling import SamplingBatch, adjusted_logits, filtered_logits
+from ..runtime.sampling import SamplingBatch, adjusted_logits, filtered_logits, token_logprobs
 
-__all__ = ["adjusted", "greedy_ids", "distribution", "draw", "accept", "accept_greedy", "uniform", "argmax_ids", "emit"]
+__all__ = ["Emitted", "with_logprobs", "adjusted", "greedy_ids", "distribution", "draw", "accept", "accept_greedy",
+           "uniform", "argmax_ids", "emit"]
 
 _Q_FLOOR = 1e-8
+
+
+class Emitted(NamedTuple):
+    """Tokens a step emits with what `logprobs` / `top_logprobs` report for them: tokens int32 [...] (-1 where nothing
+    is emitted), logprob f32 [...] (the token's raw log-softmax: vLLM's raw logprobs, as plain decoding reports them),
+    top_ids int32 [..., W] and top_vals f32 [..., W] (the W = TOP_LOGPROBS_WIDTH most likely); logits f32 [..., V]
+    (the target's, NaN where nothing is emitted) in programs built with keep_logits, else None. An iteration's are
+    [B, k+1] (the target's logits at each verified position), a prefill's first tokens [B]."""
+
+    tokens: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_vals: jax.Array
+    logits: jax.Array | None = None
+
+
+def with_logprobs(tokens: jax.Array, logits: jax.Array, keep_logits: bool = False) -> Emitted:
+    """tokens int32 [...] with their logprobs from the target's logits [..., V] (sampling.token_logprobs), and the
+    logits themselves with keep_logits (jdeep.generate's return_logits)."""
+    kept = jnp.where((tokens < 0)[..., None], jnp.nan, logits.astype(jnp.float32)) if keep_logits else None
+    return Emitted(tokens, *token_logprobs(logits, jnp.maximum(tokens, 0)), kept)
 
 
 def _rows(sb: SamplingBatch, k: int) -> SamplingBatch:

@@ -25,8 +25,9 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from ..runtime.sampling import SamplingBatch
+from .acceptance import Emitted
 
-__all__ = ["Drafter", "DecodeRows", "PrefillChunk", "RowCarry"]
+__all__ = ["Drafter", "DecodeRows", "PrefillChunk", "RowCarry", "Emitted", "fetch_emitted"]
 
 
 class DecodeRows(NamedTuple):
@@ -77,15 +78,26 @@ class RowCarry(NamedTuple):
     done: Any
 
 
+def fetch_emitted(model, emitted: Emitted, logprobs: bool, logits: bool = False) -> Emitted:
+    """An Emitted record on the host: its tokens, its logprob fields only when `logprobs` and its logits only when
+    `logits` (else None: a step nobody asked them of reads back its tokens alone)."""
+    fetch = lambda a, want: model.fetch(a) if want and a is not None else None
+    return Emitted(model.fetch(emitted.tokens), *(fetch(a, logprobs) for a in emitted[1:4]),
+                   fetch(emitted.logits, logits))
+
+
 class Drafter(Protocol):
     """A speculative method's drafter over the engine's slot pool (module docstring). `k` drafts are verified per
     iteration; `programs_per_decode` is how many compiled programs one `decode` call runs (warm-up's count);
-    `blocks_on_device`: whether `block` runs several iterations as one program (else one per host step)."""
+    `blocks_on_device`: whether `block` runs several iterations as one program (else one per host step);
+    `snapshot_lookahead`: how many prompt tokens after a prefix the drafter's state at that prefix depends on (the
+    prefix cache's key then holds them too)."""
 
     method: str
     k: int
     programs_per_decode: int
     blocks_on_device: bool
+    snapshot_lookahead: int
 
     def window_mode(self, default: str) -> str:
         """The scheduler's window mode (scheduler.py) given the plain engine's choice for the model."""
@@ -100,20 +112,28 @@ class Drafter(Protocol):
         """(state, dstate) with slot src copied over slot dst in both (int32 scalars on the device; one program, both
         donated)."""
 
+    def snapshot(self, dstate: Any, slot: Any) -> Any:
+        """Slot `slot`'s (int32 scalar on the device) drafter state after a prompt prefix, for the prefix cache."""
+
+    def restore(self, dstate: Any, snap: Any, slot: Any) -> Any:
+        """dstate with a `snapshot` written over slot `slot` (dstate donated)."""
+
     def prefill(self, state: Any, dstate: Any, chunk: PrefillChunk, sb: SamplingBatch, greedy: bool,
-                history: Any) -> tuple[Any, Any, np.ndarray]:
+                history: Any, logprobs: bool = False) -> tuple[Any, Any, Emitted]:
         """Run `chunk` (sb: its window's sampling rows; history: the Engram histories, advanced, or None). Returns
-        (state, dstate, first token int32 [rows] on the host, meaningful where chunk.ends)."""
+        (state, dstate, first tokens: Emitted [rows] on the host (fetch_emitted: logprobs and the logits they were
+        drawn from only when asked), meaningful where chunk.ends)."""
 
     def decode(self, state: Any, dstate: Any, rows: DecodeRows, sb: SamplingBatch, greedy: bool,
-               history: Any) -> tuple[Any, Any, np.ndarray, np.ndarray]:
-        """One iteration over `rows` (greedy: every live row's temperature is 0). Returns (state, dstate, emitted
-        int32 [rows, k+1] (-1 past what a row emits), accepted int32 [rows] (-1 for rows that did not run)) with
-        emitted and accepted on the host."""
+               history: Any, logprobs: bool = False) -> tuple[Any, Any, Emitted, np.ndarray]:
+        """One iteration over `rows` (greedy: every live row's temperature is 0). Returns (state, dstate, emitted:
+        Emitted [rows, k+1] on the host (tokens -1 past what a row emits; logprobs only when asked), accepted int32
+        [rows] on the host (-1 for rows that did not run))."""
 
     def block(self, state: Any, dstate: Any, carry: RowCarry, sb: SamplingBatch, stops: Any, max_new: Any, n: int,
-              greedy: bool, history: Any) -> tuple[Any, Any, RowCarry, np.ndarray, np.ndarray]:
+              greedy: bool, history: Any, logprobs: bool = False, logits: bool = False
+              ) -> tuple[Any, Any, RowCarry, Emitted, np.ndarray]:
         """n iterations over the whole batch without a host read between them (n = 1 unless blocks_on_device),
         rows ending on the device at their stop ids (stops int32 [B, W], -1 unused) and max_new int32 [B]. Returns
-        (state, dstate, carry, emitted int32 [n, B, k+1], accepted int32 [n, B]) with emitted and accepted on the
-        host."""
+        (state, dstate, carry, emitted: Emitted [n, B, k+1] on the host (logprobs only when asked; the target's
+        logits only with `logits`, from program variants that keep them), accepted int32 [n, B] on the host)."""

@@ -78,16 +78,15 @@ def draft_program(model: Model, greedy: bool):
                         lambda: jax.jit(functools.partial(draft, greedy=greedy, **_kw(model))))
 
 
-def verify_program(model: Model, k: int, greedy: bool):
-    return PROGRAMS.get(("dspark_spec_verify", k, greedy) + _key(model),
-                        lambda: jax.jit(functools.partial(verify, k=k, greedy=greedy, **_kw(model)),
-                                        donate_argnums=(1, 2)))
+def verify_program(model: Model, k: int, greedy: bool, keep_logits: bool = False):
+    return PROGRAMS.get(("dspark_spec_verify", k, greedy, keep_logits) + _key(model), lambda: jax.jit(
+        functools.partial(verify, k=k, greedy=greedy, keep_logits=keep_logits, **_kw(model)), donate_argnums=(1, 2)))
 
 
-def iterations_program(model: Model, k: int, n: int, greedy: bool):
-    return PROGRAMS.get(("dspark_spec_iterations", k, n, greedy) + _key(model),
-                        lambda: jax.jit(functools.partial(iterations, n=n, k=k, greedy=greedy, **_kw(model)),
-                                        donate_argnums=(1, 2, 3)))
+def iterations_program(model: Model, k: int, n: int, greedy: bool, keep_logits: bool = False):
+    return PROGRAMS.get(("dspark_spec_iterations", k, n, greedy, keep_logits) + _key(model), lambda: jax.jit(
+        functools.partial(iterations, n=n, k=k, greedy=greedy, keep_logits=keep_logits, **_kw(model)),
+        donate_argnums=(1, 2, 3)))
 
 
 def dead_tokens(model: Model, tokens: np.ndarray) -> np.ndarray | None:

@@ -18,7 +18,7 @@ from ..model.scan import model_step
 from ..runtime.sampling import SamplingBatch, sample
 from . import undo
 from .drafter import RowCarry as Carry     # (x, p, count, done): the per-row values besides the caches
-from .acceptance import accept, accept_greedy, distribution, draw, emit, greedy_ids
+from .acceptance import accept, accept_greedy, distribution, draw, emit, greedy_ids, with_logprobs
 
 __all__ = ["Carry", "ring_entries", "prefill_chunk", "draft", "verify_inputs", "verify_slices", "save_undo", "verify",
            "finish", "iteration", "iterations"]
@@ -45,8 +45,9 @@ def ring_entries(state: dict) -> int:
 def prefill_chunk(params, state, dstate, tokens, positions, engram, sb, *, config, plan, numerics,
                   greedy: bool = False):
     """A prompt chunk through the target with the DSpark taps, then every position into the drafter's windows.
-    tokens, positions int32 [B, S] (-1 = padding). Returns (first token int32 [B], drawn from the logits at each
-    row's last real position exactly as plain decoding draws it (runtime/sampling.sample, step 0), state, dstate);
+    tokens, positions int32 [B, S] (-1 = padding). Returns (first token (acceptance.Emitted [B], with its logprobs),
+    drawn from the logits at each row's last real position exactly as plain decoding draws it
+    (runtime/sampling.sample, step 0), state, dstate);
     the first token means something only for rows whose prompt ends in this chunk. greedy: every row is greedy (the
     argmax without the sampler's noise: the same token, and no PRNG in the program)."""
     logits, state, taps = model_step(params, state, tokens, positions, engram, config=config, plan=plan,
@@ -54,7 +55,7 @@ def prefill_chunk(params, state, dstate, tokens, positions, engram, sb, *, confi
     zero = jnp.zeros(tokens.shape[:1], jnp.int32)
     first = greedy_ids(logits[:, None], sb, zero)[:, 0] if greedy else sample(logits, sb, zero)
     dstate = dspark_append(params, dstate, taps, positions, config=config, plan=plan, numerics=numerics)
-    return first, state, dstate
+    return with_logprobs(first, logits, keep_logits=True), state, dstate
 
 
 def draft(params, dstate, carry: Carry, sb: SamplingBatch, *, config, plan, numerics, greedy: bool = False):
@@ -94,13 +95,14 @@ def save_undo(state: dict, positions, *, plan) -> tuple[Any, Any]:
 
 
 def verify(params, state, dstate, carry: Carry, drafts, q, sb: SamplingBatch, stops, max_new, engram=None, *, k,
-           config, plan, numerics, greedy: bool = False):
+           config, plan, numerics, greedy: bool = False, keep_logits: bool = False):
     """Verify the first k drafts (drafts int32 [B, >=k], q fp32 [B, >=k, V] or None for greedy), emit, restore the
     target state, append the kept positions to the drafter's windows. engram: the rows of [x, d_1..d_k] at
     p .. p+k ([n_eng, B, k+1, ...], models with Engram). stops int32 [B, W] (-1 = unused), max_new int32 [B].
-    Returns (state, dstate, carry, emitted int32 [B, k+1] (-1 past what the row emits), accepted int32 [B] (-1 for
-    rows that were done), kept int32 [B] (positions p .. p+kept-1 entered the state: 0 for done rows)).
-    The target steps, then `finish`; the regions mode (dspark_regions.py) runs the same pieces as programs."""
+    Returns (state, dstate, carry, emitted (acceptance.Emitted [B, k+1]: tokens -1 past what the row emits),
+    accepted int32 [B] (-1 for rows that were done), kept int32 [B] (positions p .. p+kept-1 entered the state: 0
+    for done rows)). The target steps, then `finish`; the regions mode (dspark_regions.py) runs the same pieces as
+    programs."""
     tokens, pos = verify_inputs(carry, drafts, k=k, vocab_size=config.vocab_size)
     logs, logits, taps = [], [], []
     for sl in verify_slices(state, k):
@@ -111,11 +113,11 @@ def verify(params, state, dstate, carry: Carry, drafts, q, sb: SamplingBatch, st
         logits.append(lg)
         taps.append(tp)
     return finish(params, state, dstate, carry, drafts, q, logs, logits, taps, sb, stops, max_new, k=k, config=config,
-                  plan=plan, numerics=numerics, greedy=greedy)
+                  plan=plan, numerics=numerics, greedy=greedy, keep_logits=keep_logits)
 
 
 def finish(params, state, dstate, carry: Carry, drafts, q, logs, logits, taps, sb: SamplingBatch, stops, max_new, *,
-           k, config, plan, numerics, greedy: bool = False):
+           k, config, plan, numerics, greedy: bool = False, keep_logits: bool = False):
     """After the target steps of verify_slices (their undo logs, logits fp32 [B, S_i, V] and taps [B, S_i, ...] as
     lists): the acceptance rule, the emitted tokens, the restore of rejected positions (in reverse step order) and the
     append of the kept ones to the drafter's windows. Returns what `verify` returns."""
@@ -137,19 +139,23 @@ def finish(params, state, dstate, carry: Carry, drafts, q, logs, logits, taps, s
     done = done | ended
     nxt = jnp.take_along_axis(g, jnp.clip(a, 0, k)[:, None], axis=1)[:, 0]          # (clamped index: S12)
     carry = Carry(jnp.where(live, nxt, x), jnp.where(live, p + a + 1, p), count, done)
-    return state, dstate, carry, emitted, jnp.where(live, a, -1), n
+    return state, dstate, carry, with_logprobs(emitted, logits, keep_logits), jnp.where(live, a, -1), n
 
 
-def iteration(params, state, dstate, carry, sb, stops, max_new, *, k, config, plan, numerics, greedy=False):
+def iteration(params, state, dstate, carry, sb, stops, max_new, *, k, config, plan, numerics, greedy=False,
+              keep_logits: bool = False):
     """draft then verify in one program (models without Engram layers)."""
     kw = dict(config=config, plan=plan, numerics=numerics, greedy=greedy)
     drafts, q = draft(params, dstate, carry, sb, **kw)
-    return verify(params, state, dstate, carry, drafts, q, sb, stops, max_new, None, k=k, **kw)
+    return verify(params, state, dstate, carry, drafts, q, sb, stops, max_new, None, k=k, keep_logits=keep_logits, **kw)
 
 
-def iterations(params, state, dstate, carry, sb, stops, max_new, *, n, k, config, plan, numerics, greedy=False):
-    """n iterations as one scan (no Engram): (state, dstate, carry, emitted int32 [n, B, k+1], accepted [n, B])."""
-    step = functools.partial(iteration, k=k, config=config, plan=plan, numerics=numerics, greedy=greedy)
+def iterations(params, state, dstate, carry, sb, stops, max_new, *, n, k, config, plan, numerics, greedy=False,
+               keep_logits: bool = False):
+    """n iterations as one scan (no Engram): (state, dstate, carry, emitted (Emitted [n, B, k+1]), accepted
+    [n, B])."""
+    step = functools.partial(iteration, k=k, config=config, plan=plan, numerics=numerics, greedy=greedy,
+                             keep_logits=keep_logits)
 
     def body(c, _):
         state, dstate, carry = c

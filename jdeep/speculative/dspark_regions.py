@@ -24,7 +24,7 @@ from ..model.dspark import dspark_append
 from ..model.model import Model
 from ..model.regions import regions_step
 from ..runtime.sampling import sample
-from .acceptance import greedy_ids
+from .acceptance import greedy_ids, with_logprobs
 from .dspark_iteration import Carry, draft, finish, save_undo, verify_inputs, verify_slices
 from .mtp_iteration import mtp_params
 
@@ -32,10 +32,11 @@ __all__ = ["RegionsPrograms", "prefill_tail", "verify_chunks"]
 
 
 def prefill_tail(params, dstate, logits, taps, positions, sb, *, greedy, config, plan, numerics):
-    """The drafter's half of a prefill chunk after the regions step: (first token int32 [B], dstate)."""
+    """The drafter's half of a prefill chunk after the regions step: (first token (acceptance.Emitted [B]), dstate)."""
     zero = jnp.zeros(positions.shape[:1], jnp.int32)
     first = greedy_ids(logits[:, None], sb, zero)[:, 0] if greedy else sample(logits, sb, zero)
-    return first, dspark_append(params, dstate, taps, positions, config=config, plan=plan, numerics=numerics)
+    return with_logprobs(first, logits, keep_logits=True), dspark_append(params, dstate, taps, positions, config=config, plan=plan,
+                                                       numerics=numerics)
 
 
 def verify_chunks(carry: Carry, drafts, *, k, vocab_size, slices):
@@ -47,7 +48,7 @@ def verify_chunks(carry: Carry, drafts, *, k, vocab_size, slices):
 class RegionsPrograms:
     """The DSpark programs of one model, k and variant (greedy: every row greedy) in the regions mode."""
 
-    def __init__(self, model: Model, k: int, greedy: bool):
+    def __init__(self, model: Model, k: int, greedy: bool, keep_logits: bool = False):
         self.model, self.k, self.greedy = model, k, greedy
         c, plan, num = model.config, model.plan, model.numerics
         kw = dict(config=c, plan=plan, numerics=num)
@@ -56,8 +57,8 @@ class RegionsPrograms:
                                   lambda: jax.jit(functools.partial(draft, greedy=greedy, **kw)))
         self.save = PROGRAMS.get(("dspark_regions_save", c, plan, num),
                                  lambda: jax.jit(functools.partial(save_undo, plan=plan)))
-        self.finish = PROGRAMS.get(("dspark_regions_finish",) + key, lambda: jax.jit(
-            functools.partial(finish, k=k, greedy=greedy, **kw), donate_argnums=(1, 2)))
+        self.finish = PROGRAMS.get(("dspark_regions_finish", keep_logits) + key, lambda: jax.jit(
+            functools.partial(finish, k=k, greedy=greedy, keep_logits=keep_logits, **kw), donate_argnums=(1, 2)))
         self.tail = PROGRAMS.get(("dspark_regions_tail",) + key, lambda: jax.jit(
             functools.partial(prefill_tail, greedy=greedy, **kw), donate_argnums=(1,)))
         self.verify_step = regions_step(c, plan, num, True, taps=True)
@@ -65,7 +66,8 @@ class RegionsPrograms:
         self._inputs = None
 
     def prefill(self, params, state, dstate, tokens, positions, engram, sb):
-        """A prompt chunk (dspark_iteration.prefill_chunk). Returns (first token int32 [B], state, dstate)."""
+        """A prompt chunk (dspark_iteration.prefill_chunk). Returns (first token (acceptance.Emitted [B]), state,
+        dstate)."""
         (logits, taps), state = self.prefill_step(params, state, tokens, positions, engram)
         first, dstate = self.tail(mtp_params(params), dstate, logits, taps, self.model.put(positions), sb)
         return first, state, dstate

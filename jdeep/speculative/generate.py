@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..model.model import Model
-from ..runtime.sampling import SamplingParams, batch_params
+from ..runtime.sampling import TOP_LOGPROBS_WIDTH, SamplingParams, batch_params
 from ..runtime.steps import batch_bucket, length_bucket
-from .drafter import PrefillChunk, RowCarry
+from .drafter import Emitted, PrefillChunk, RowCarry
 from .engine import make_drafter
 from .stats import SpecStats
 
-__all__ = ["Final", "speculative_generate", "run", "state_len", "block_length"]
+__all__ = ["Final", "Run", "speculative_generate", "run", "state_len", "block_length"]
 
 
 class Final(NamedTuple):
@@ -33,6 +33,18 @@ class Final(NamedTuple):
     state: dict
     dstate: Any
     history: Any
+
+
+class Run(NamedTuple):
+    """A speculative run's results: tokens int32 [B, T = max max_new_tokens] (-1 after a request ended), stats
+    (SpecStats.as_dict), final (Final), and outputs: an acceptance.Emitted [B, T] whose logprob fields (with
+    logprobs=True) and logits f32 [B, T, V] (with logits=True; NaN after a request ended) are the target's at each
+    emitted token, as plain decoding reports them, else None."""
+
+    tokens: np.ndarray
+    stats: dict
+    final: Final
+    outputs: Emitted
 
 
 def state_len(prompt_lens: Sequence[int], max_new: Sequence[int], k: int) -> int:
@@ -49,16 +61,21 @@ def block_length(stats: SpecStats, done: np.ndarray, max_new: np.ndarray, count:
     return block_iterations if need >= block_iterations else 1
 
 
-def _take_block(emitted: np.ndarray, accepted: np.ndarray, out: np.ndarray, count: np.ndarray, stats: SpecStats,
+def _take_block(emitted: Emitted, accepted: np.ndarray, out: Emitted, count: np.ndarray, stats: SpecStats,
                 carry: RowCarry, on_block, B: int) -> tuple[RowCarry, np.ndarray]:
-    """After a block (emitted int32 [n, Bb, k+1], accepted int32 [n, Bb]): count the acceptance, append each row's
-    tokens to out at count (both updated in place), and end the rows on_block names (stop strings). Returns (carry,
-    done bool [Bb])."""
+    """After a block (emitted: Emitted [n, Bb, k+1], accepted int32 [n, Bb]): count the acceptance, append each row's
+    tokens (and their logprobs, where out holds them) to out at count (both updated in place), and end the rows
+    on_block names (stop strings). Returns (carry, done bool [Bb])."""
     stats.add(accepted[:, :B])
-    new = [[int(t) for t in emitted[:, b].reshape(-1) if t >= 0] for b in range(B)]
+    new = []
     for b in range(B):
-        out[b, count[b]:count[b] + len(new[b])] = new[b]
-        count[b] += len(new[b])
+        kept = emitted.tokens[:, b].reshape(-1) >= 0
+        n, at = int(kept.sum()), count[b]
+        for dst, src in zip(out, emitted):
+            if dst is not None:
+                dst[b, at:at + n] = src[:, b].reshape((-1,) + src.shape[3:])[kept]
+        new.append(out.tokens[b, at:at + n].tolist())
+        count[b] += n
     done = np.asarray(carry.done).copy()
     stop_rows = [b for b in (on_block(new) if on_block else ()) if not done[b]]
     if stop_rows:
@@ -70,19 +87,19 @@ def _take_block(emitted: np.ndarray, accepted: np.ndarray, out: np.ndarray, coun
 def speculative_generate(model: Model, prompts: Sequence[np.ndarray], sampling: Sequence[SamplingParams],
                          stop_ids: Sequence[tuple[int, ...]], method: str, k: int, prefill_chunk_size: int = 512,
                          default_seed: int = 0, on_block: Callable[[list[list[int]]], Sequence[int]] | None = None,
-                         block_iterations: int = 8) -> tuple[np.ndarray, dict]:
-    """Tokens of each prompt (int32 [B, max max_new_tokens], -1 after a request ended) with k drafts of `method`
-    ("mtp" or "dspark") per iteration, sampled per request as `sampling` says (greedy rows: exactly plain greedy
-    decoding's tokens), and the acceptance stats (SpecStats.as_dict). on_block(new tokens per row) runs after the
-    first token and after every host read; it returns the rows to end (stop strings)."""
-    out, stats, _ = run(model, prompts, sampling, stop_ids, method, k, prefill_chunk_size, default_seed, on_block,
-                        block_iterations)
-    return out, stats
+                         block_iterations: int = 8, logprobs: bool = False, logits: bool = False) -> Run:
+    """The tokens of each prompt with k drafts of `method` ("mtp" or "dspark") per iteration, sampled per request as
+    `sampling` says (greedy rows: exactly plain greedy decoding's tokens), the acceptance stats and, as asked, each
+    token's logprobs and logits (Run). on_block(new tokens per row) runs after the first token and after every host
+    read; it returns the rows to end (stop strings)."""
+    return run(model, prompts, sampling, stop_ids, method, k, prefill_chunk_size, default_seed, on_block,
+               block_iterations, logprobs, logits)
 
 
 def run(model: Model, prompts, sampling, stop_ids, method: str, k: int, prefill_chunk_size: int = 512,
-        default_seed: int = 0, on_block=None, block_iterations: int = 8) -> tuple[np.ndarray, dict, Final]:
-    """speculative_generate, also returning what the run leaves (Final)."""
+        default_seed: int = 0, on_block=None, block_iterations: int = 8, logprobs: bool = False,
+        logits: bool = False) -> Run:
+    """speculative_generate (module docstring)."""
     drafter = make_drafter(model, method, k)
     B, Bb = len(prompts), batch_bucket(len(prompts))
     max_new = np.array([s.max_new_tokens for s in sampling] + [1] * (Bb - B), np.int32)
@@ -96,7 +113,10 @@ def run(model: Model, prompts, sampling, stop_ids, method: str, k: int, prefill_
     for b, s in enumerate(stop_ids):
         stops[b, :len(s)] = s
     greedy = all(s.temperature == 0 for s in sampling)
-    x = np.zeros(Bb, np.int32)
+    T, W, V = int(max_new[:B].max()), TOP_LOGPROBS_WIDTH, model.config.vocab_size
+    out = Emitted(np.full((Bb, T), -1, np.int32), *((np.zeros((Bb, T), np.float32), np.zeros((Bb, T, W), np.int32),
+                                                      np.zeros((Bb, T, W), np.float32)) if logprobs else (None,) * 3),
+                  np.full((Bb, T, V), np.nan, np.float32) if logits else None)
     for start in range(0, int(lens.max()), prefill_chunk_size):
         S = length_bucket(min(prefill_chunk_size, int(lens.max()) - start))
         toks = np.zeros((Bb, S), np.int32)
@@ -109,10 +129,11 @@ def run(model: Model, prompts, sampling, stop_ids, method: str, k: int, prefill_
             nxt[b, :len(following)] = following
         ends = (lens > start) & (lens <= start + S)
         state, dstate, first = drafter.prefill(state, dstate, PrefillChunk(Bb, 0, toks, pos, nxt, ends), sb, greedy,
-                                               history)
-        x = np.where(ends, first, x)
-    out = np.full((Bb, int(max_new[:B].max())), -1, np.int32)
-    out[:, 0] = x
+                                               history, logprobs, logits)
+        for dst, src in zip(out, first):
+            if dst is not None:
+                dst[ends, 0] = src[ends]
+    x = np.maximum(out.tokens[:, 0], 0)           # (rows past B: done, fed token 0)
     count = np.ones(Bb, np.int32)
     done = np.array([b >= B or max_new[b] <= 1 or x[b] in stop_ids[b] for b in range(Bb)])
     done[list(set(on_block([[int(x[b])] for b in range(B)]) if on_block else ()))] = True
@@ -122,6 +143,7 @@ def run(model: Model, prompts, sampling, stop_ids, method: str, k: int, prefill_
     while not done.all():
         n = block_length(stats, done, max_new, count, block_iterations) if drafter.blocks_on_device else 1
         state, dstate, carry, emitted, a = drafter.block(state, dstate, carry, sb, stops, max_new_d, n, greedy,
-                                                         history)
+                                                         history, logprobs, logits)
         carry, done = _take_block(emitted, a, out, count, stats, carry, on_block, B)
-    return out[:B], stats.as_dict(), Final(state, dstate, history)
+    return Run(out.tokens[:B], stats.as_dict(), Final(state, dstate, history),
+               Emitted(*(None if a is None else a[:B] for a in out)))

@@ -52,11 +52,11 @@ def _key(model: Model) -> tuple:
 
 class ScanPrograms:
     """The scan compile mode's blocks: iterations(n)(params, state, mstate, carry, sb, stops, max_new) -> (state,
-    mstate, carry, emitted [n, B, k+1], accepted [n, B]) as one program per n."""
+    mstate, carry, emitted (acceptance.Emitted [n, B, k+1]), accepted [n, B]) as one program per n."""
 
-    def __init__(self, model: Model, k: int, greedy: bool):
+    def __init__(self, model: Model, k: int, greedy: bool, keep_logits: bool = False):
         self.k, self.kw = k, dict(config=model.config, plan=model.plan, numerics=model.numerics, greedy=greedy,
-                                  layout=model.layout)
+                                  layout=model.layout, keep_logits=keep_logits)
 
     def iterations(self, n: int) -> Callable:
         return PROGRAMS.get(("mtp_iterations", self.k, n) + tuple(sorted(self.kw.items())),
@@ -70,15 +70,15 @@ class RegionsPrograms:
     dispatched one after another without a host read. The MTP programs take only the parameters the MTP block reads
     (mtp_iteration.mtp_params)."""
 
-    def __init__(self, model: Model, k: int, greedy: bool):
+    def __init__(self, model: Model, k: int, greedy: bool, keep_logits: bool = False):
         c, plan, nu = _key(model)
         kw = dict(config=c, plan=plan, numerics=nu, greedy=greedy)
         key = tuple(sorted(kw.items()))
         self.verify = regions_step(c, plan, nu, True, layout=model.layout, hidden=True)
         self.draft = PROGRAMS.get(("mtp_draft", k) + key,
                                   lambda: jax.jit(functools.partial(draft, k=k, **kw), donate_argnums=(2,)))
-        self.finish = PROGRAMS.get(("mtp_finish", k) + key,
-                                   lambda: jax.jit(functools.partial(finish, k=k, **kw), donate_argnums=(1, 2)))
+        self.finish = PROGRAMS.get(("mtp_finish", k, keep_logits) + key, lambda: jax.jit(
+            functools.partial(finish, k=k, keep_logits=keep_logits, **kw), donate_argnums=(1, 2)))
 
     def iteration(self, params, state, mstate, carry, sb, stops, max_new):
         mstate, dr = self.draft(mtp_params(params), state, mstate, carry, sb)
@@ -92,10 +92,11 @@ class RegionsPrograms:
                 state, mstate, carry, e, a = self.iteration(params, state, mstate, carry, sb, stops, max_new)
                 emitted.append(e)
                 accepted.append(a)
-            return state, mstate, carry, jnp.stack(emitted), jnp.stack(accepted)
+            return state, mstate, carry, jax.tree_util.tree_map(lambda *e: jnp.stack(e), *emitted), jnp.stack(accepted)
         return run
 
 
-def programs(model: Model, k: int, greedy: bool) -> ScanPrograms | RegionsPrograms:
-    """The block programs of the model's compile mode (the one place that chooses)."""
-    return (RegionsPrograms if model.compile_mode == "regions" else ScanPrograms)(model, k, greedy)
+def programs(model: Model, k: int, greedy: bool, keep_logits: bool = False) -> ScanPrograms | RegionsPrograms:
+    """The block programs of the model's compile mode (the one place that chooses); keep_logits: their Emitted
+    records carry the target's logits."""
+    return (RegionsPrograms if model.compile_mode == "regions" else ScanPrograms)(model, k, greedy, keep_logits)

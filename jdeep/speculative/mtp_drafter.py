@@ -26,7 +26,7 @@ from ..model.regions import regions_step
 from ..model.scan import model_step
 from ..runtime.sampling import INT32_MAX, SamplingBatch
 from ..state import move_slot, put_slot_window, slot_window, zero_slots
-from .drafter import DecodeRows, PrefillChunk, RowCarry
+from .drafter import DecodeRows, PrefillChunk, RowCarry, fetch_emitted
 from .mtp_decode import check_mtp_model, new_mtp_state, programs
 from .mtp_iteration import Carry, draft, finish, mtp_params, prefill_tail
 
@@ -59,7 +59,8 @@ def _decode_window(params, state, ds, x, p, count, live, sb, start, *, rows, k, 
                    layout=None):
     """One iteration over slots [start, start + rows) as one program (the scan compile mode): x, p, count int32
     [rows], live bool [rows], sb the window's sampling rows. The regions mode's three calls (_draft_window, the regions
-    step, _finish_window) in one program. Returns (state, ds, emitted int32 [rows, k+1], accepted int32 [rows])."""
+    step, _finish_window) in one program. Returns (state, ds, emitted: acceptance.Emitted [rows, k+1], accepted
+    int32 [rows])."""
     kw = dict(rows=rows, k=k, greedy=greedy, config=config, plan=plan, numerics=numerics)
     ds, carry, dr = _draft_window(params, state, ds, x, p, count, live, sb, start, **kw)
     first = _first_slot(ds, rows, start)
@@ -95,7 +96,7 @@ def _finish_window(params, state, ds, carry, dr, logits, XB, sb, start, *, rows,
 def _prefill_window(params, state, ds, tokens, positions, next_tokens, ends, sb, start, *, rows, greedy, config, plan,
                     numerics, layout=None):
     """A prefill chunk (the backbone, then _tail_window) over slots [start, start + rows) as one program (the scan
-    mode). Returns (state, ds, first token int32 [rows])."""
+    mode). Returns (state, ds, first tokens: acceptance.Emitted [rows])."""
     first_slot = _first_slot(ds, rows, start)
     logits, sw, X = model_step(params, slot_window(state, rows, first_slot), tokens, positions, config=config,
                                plan=plan, numerics=numerics, hidden=True, layout=layout)
@@ -108,7 +109,7 @@ def _prefill_window(params, state, ds, tokens, positions, next_tokens, ends, sb,
 def _tail_window(params, ds, logits, X, positions, next_tokens, ends, sb, start, *, rows, greedy, config, plan,
                  numerics):
     """The MTP half of a prefill chunk, after the backbone ran it (its logits and final streams X); ends bool [rows]:
-    the rows whose carry is set. Returns (ds, first token int32 [rows])."""
+    the rows whose carry is set. Returns (ds, first tokens: acceptance.Emitted [rows])."""
     start = _first_slot(ds, rows, start)
     first, ml, h, mw = prefill_tail(params, slot_window(ds.mstate, rows, start), logits, X, positions, next_tokens,
                                     sb, config=config, plan=plan, numerics=numerics, greedy=greedy)
@@ -129,6 +130,14 @@ def _move_all(state, ds, src, dst):
                                                                                             src, dst))
 
 
+def _slot_rows(tree, slot):
+    return slot_window(tree, 1, slot)
+
+
+def _restore_windows(ds, snap, slot):
+    return ds._replace(mstate=put_slot_window(ds.mstate, snap, slot))
+
+
 def _reset(ds, mask):
     return ds._replace(mstate=zero_slots(ds.mstate, mask))     # mlogits and hm are set when a prompt ends
 
@@ -139,6 +148,7 @@ class MtpDrafter:
     method = "mtp"
     programs_per_decode = 1
     blocks_on_device = True
+    snapshot_lookahead = 1      # the window entry at a prefix's last position holds the token after it
 
     def __init__(self, model: Model, k: int):
         check_mtp_model(model)
@@ -161,6 +171,13 @@ class MtpDrafter:
 
     def move_slot(self, state, dstate: MtpSlots, src, dst):
         return PROGRAMS.jit(_move_all, donate_argnums=(0, 1))(state, dstate, src, dst)
+
+    def snapshot(self, dstate: MtpSlots, slot):
+        # the windows only: mlogits and hm are set when the prompt ends, after any snapshot point
+        return PROGRAMS.jit(_slot_rows)(dstate.mstate, slot)
+
+    def restore(self, dstate: MtpSlots, snap, slot) -> MtpSlots:
+        return PROGRAMS.jit(_restore_windows, donate_argnums=(0,))(dstate, snap, slot)
 
     def _program(self, fn, rows: int, donate: tuple[int, ...] = (1, 2), **extra):
         m = self.model
@@ -198,24 +215,27 @@ class MtpDrafter:
             return state, ds, first
         return run
 
-    def prefill(self, state, dstate: MtpSlots, chunk: PrefillChunk, sb: SamplingBatch, greedy: bool, history):
+    def prefill(self, state, dstate: MtpSlots, chunk: PrefillChunk, sb: SamplingBatch, greedy: bool, history,
+                logprobs: bool = False, logits: bool = False):
         m, put = self.model, self.model.put
         state, dstate, first = self._prefill_program(chunk.rows, greedy)(
             m.params, state, dstate, put(chunk.tokens), put(chunk.positions), put(chunk.next_tokens), put(chunk.ends),
             sb, put(np.int32(chunk.start)))
-        return state, dstate, m.fetch(first)
+        return state, dstate, fetch_emitted(m, first, logprobs, logits)
 
-    def decode(self, state, dstate: MtpSlots, rows: DecodeRows, sb: SamplingBatch, greedy: bool, history):
+    def decode(self, state, dstate: MtpSlots, rows: DecodeRows, sb: SamplingBatch, greedy: bool, history,
+               logprobs: bool = False):
         m, put = self.model, self.model.put
         state, dstate, emitted, a = self._decode_program(rows.rows, greedy)(
             m.params, state, dstate, put(rows.x), put(rows.p), put(rows.count), put(rows.live), sb,
             put(np.int32(rows.start)))
-        return state, dstate, m.fetch(emitted), m.fetch(a)
+        return state, dstate, fetch_emitted(m, emitted, logprobs), m.fetch(a)
 
-    def block(self, state, dstate: MtpSlots, carry: RowCarry, sb, stops, max_new, n: int, greedy: bool, history):
+    def block(self, state, dstate: MtpSlots, carry: RowCarry, sb, stops, max_new, n: int, greedy: bool, history,
+              logprobs: bool = False, logits: bool = False):
         m = self.model
         full = Carry(carry.x, carry.p, dstate.mlogits, dstate.hm, carry.count, carry.done)
-        state, mstate, full, emitted, a = programs(m, self.k, greedy).iterations(n)(
+        state, mstate, full, emitted, a = programs(m, self.k, greedy, logits).iterations(n)(
             m.params, state, dstate.mstate, full, sb, stops, max_new)
         return (state, MtpSlots(mstate, full.mlogits, full.hm), RowCarry(full.x, full.p, full.count, full.done),
-                m.fetch(emitted), m.fetch(a))
+                fetch_emitted(m, emitted, logprobs, logits), m.fetch(a))

@@ -36,7 +36,7 @@ from ..model.mtp import mtp_step
 from ..model.scan import model_step
 from ..runtime.sampling import SamplingBatch, sample
 from . import undo
-from .acceptance import accept, accept_greedy, distribution, draw, emit, greedy_ids
+from .acceptance import accept, accept_greedy, distribution, draw, emit, greedy_ids, with_logprobs
 
 __all__ = ["Carry", "Drafted", "prefill_chunk", "prefill_tail", "iteration", "draft", "finish", "iterations",
            "mtp_params"]
@@ -62,14 +62,16 @@ class Carry(NamedTuple):
     count: jax.Array
     done: jax.Array
 
+
 def prefill_chunk(params, state, mstate, tokens, positions, next_tokens, sb, *, config, plan, numerics,
                   greedy: bool = False, layout=None):
     """A prompt chunk through the backbone, then the MTP block over the same positions (prefill_tail).
 
     tokens, positions int32 [B, S] (-1 = padding); next_tokens int32 [B, S]: the token at t + 1 where it is a prompt
-    token, else -1. Returns (first token int32 [B], MTP logits at each row's last real position fp32 [B, V], MTP
-    streams there [B, n, d], state, mstate); the first token and MTP outputs mean something only for rows whose
-    prompt ends in this chunk. layout: the mesh's (sharding.Layout; None on one device), as model_step takes it."""
+    token, else -1. Returns (first token (acceptance.Emitted [B]: with its logprobs), MTP logits at each row's last
+    real position fp32 [B, V], MTP streams there [B, n, d], state, mstate); the first token and MTP outputs mean
+    something only for rows whose prompt ends in this chunk. layout: the mesh's (sharding.Layout; None on one
+    device), as model_step takes it."""
     logits, state, X = model_step(params, state, tokens, positions, config=config, plan=plan, numerics=numerics,
                                   hidden=True, layout=layout)
     first, mlogits, hm, mstate = prefill_tail(params, mstate, logits, X, positions, next_tokens, sb, config=config,
@@ -82,8 +84,8 @@ def prefill_tail(params, mstate, logits, X, positions, next_tokens, sb, *, confi
     """The MTP half of prefill_chunk, after the backbone gave logits fp32 [B, V] (each row's last real position) and
     its final streams X [B, S, n, d]: the first generated token (drawn from the logits exactly as plain decoding
     draws it, runtime/sampling.sample with step 0; greedy: every row is greedy, the argmax without the sampler's
-    noise: the same token) goes in at each row's last prompt position. Returns (first int32 [B], mlogits fp32
-    [B, V], hm [B, n, d], mstate)."""
+    noise: the same token) goes in at each row's last prompt position. Returns (first (acceptance.Emitted [B]),
+    mlogits fp32 [B, V], hm [B, n, d], mstate)."""
     zero = jnp.zeros(positions.shape[:1], jnp.int32)
     first = greedy_ids(logits[:, None], sb, zero)[:, 0] if greedy else sample(logits, sb, zero)
     nxt = jnp.where(next_tokens >= 0, next_tokens, first[:, None])
@@ -91,7 +93,7 @@ def prefill_tail(params, mstate, logits, X, positions, next_tokens, sb, *, confi
                                    all_logits=False)
     last = jnp.clip(jnp.sum(positions >= 0, axis=1) - 1, 0, positions.shape[1] - 1)
     hm = jnp.take_along_axis(XM, last[:, None, None, None], axis=1)[:, 0]
-    return first, mlogits, hm, mstate
+    return with_logprobs(first, logits, keep_logits=True), mlogits, hm, mstate
 
 
 class Drafted(NamedTuple):
@@ -108,17 +110,17 @@ class Drafted(NamedTuple):
 
 
 def iteration(params, state, mstate, carry: Carry, sb: SamplingBatch, stops, max_new, *, k, config, plan, numerics,
-              greedy: bool = False, layout=None):
+              greedy: bool = False, layout=None, keep_logits: bool = False):
     """One draft-verify-restore-catch-up iteration (module docstring): draft, the backbone's verify step, finish.
     stops int32 [B, W] (-1 = unused), max_new int32 [B]. greedy: every row is greedy (a program variant that
     compares argmaxes and builds no distributions; the same tokens). layout: the mesh's, for the verify step (the
-    draft and finish are left to the partitioner). Returns (state, mstate, carry, emitted int32 [B, k+1] (-1 past
-    what the row emits), accepted int32 [B] (-1 for rows that were done))."""
+    draft and finish are left to the partitioner). Returns (state, mstate, carry, emitted (acceptance.Emitted
+    [B, k+1]: tokens -1 past what the row emits), accepted int32 [B] (-1 for rows that were done))."""
     kw = dict(k=k, config=config, plan=plan, numerics=numerics, greedy=greedy)
     mstate, dr = draft(params, state, mstate, carry, sb, **kw)
     logits, state, XB = model_step(params, state, dr.tokens, dr.pos, config=config, plan=plan, numerics=numerics,
                                    all_logits=True, hidden=True, layout=layout)
-    return finish(params, state, mstate, carry, dr, logits, XB, sb, stops, max_new, **kw)
+    return finish(params, state, mstate, carry, dr, logits, XB, sb, stops, max_new, keep_logits=keep_logits, **kw)
 
 
 def draft(params, state, mstate, carry: Carry, sb: SamplingBatch, *, k, config, plan, numerics,
@@ -152,7 +154,7 @@ def draft(params, state, mstate, carry: Carry, sb: SamplingBatch, *, k, config, 
 
 
 def finish(params, state, mstate, carry: Carry, dr: Drafted, logits, XB, sb: SamplingBatch, stops, max_new, *, k,
-           config, plan, numerics, greedy: bool = False):
+           config, plan, numerics, greedy: bool = False, keep_logits: bool = False):
     """After the verify step (logits fp32 [B, k+1, V], the backbone's final streams XB [B, k+1, n, d], state with
     all k + 1 positions written): acceptance, the emitted tokens cut at stops and max_new, the restore of rejected
     positions and the MTP catch-up (module docstring). Returns what `iteration` returns."""
@@ -177,14 +179,14 @@ def finish(params, state, mstate, carry: Carry, dr: Drafted, logits, XB, sb: Sam
     nxt = jnp.take_along_axis(g, a_ix[:, None], axis=1)[:, 0]
     carry = Carry(jnp.where(live, nxt, x), jnp.where(live, p + a + 1, p), jnp.where(live[:, None], lg, mlogits),
                   jnp.where(live[:, None, None], hm, carry.hm), count, done)
-    return state, mstate, carry, emitted, jnp.where(live, a, -1)
+    return state, mstate, carry, with_logprobs(emitted, logits, keep_logits), jnp.where(live, a, -1)
 
 
 def iterations(params, state, mstate, carry, sb, stops, max_new, *, n, k, config, plan, numerics, greedy=False,
-               layout=None):
-    """n iterations as one scan: (state, mstate, carry, emitted int32 [n, B, k+1], accepted int32 [n, B])."""
+               layout=None, keep_logits: bool = False):
+    """n iterations as one scan: (state, mstate, carry, emitted (Emitted [n, B, k+1]), accepted int32 [n, B])."""
     step = functools.partial(iteration, k=k, config=config, plan=plan, numerics=numerics, greedy=greedy,
-                             layout=layout)
+                             layout=layout, keep_logits=keep_logits)
 
     def body(c, _):
         state, mstate, carry = c

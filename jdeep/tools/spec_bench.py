@@ -51,7 +51,7 @@ def run_speculative(model: Model, prompt_sets: Sequence[np.ndarray], output_len:
                 return lambda: speculative_generate(model, rows, [SamplingParams(max_new_tokens=n)] * B, [()] * B, method,
                                                    k)
             _, spec_prefill = _timed(spec(1))
-            (tokens, stats), spec_total = _timed(spec(output_len))
+            (tokens, stats, _, _), spec_total = _timed(spec(output_len))
             tok_s = B * (output_len - 1) / max(spec_total - spec_prefill, 1e-9)
             entry = {"k": k, "decode_tok_s": tok_s, "speedup": tok_s / plain_tok_s,
                      "acceptance_rate": stats["acceptance_rate"],

@@ -230,8 +230,7 @@ def test_validation_names_the_field(model):
         with pytest.raises(RequestError, match=name) as e:           # as the Engine checks it: OpenAI's param
             check_request(PROMPT, p, vocab_size=V, max_len=64)
         assert e.value.param == name
-    for name, value in [("presence_penalty", 0.5), ("repetition_penalty", 1.1), ("logprobs", 0),
-                        ("prompt_logprobs", 1)]:
+    for name, value in [("presence_penalty", 0.5), ("repetition_penalty", 1.1), ("prompt_logprobs", 1)]:
         with pytest.raises(RequestError, match=name) as e:           # speculative decoding refuses them by name
             jdeep.generate(model, [PROMPT], sampling=SamplingParams(max_new_tokens=4, **{name: value}),
                            speculative={"method": "mtp", "num_speculative_tokens": 1})

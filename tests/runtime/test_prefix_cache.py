@@ -79,6 +79,20 @@ def test_hash_chain_keys_verify_the_tokens():
     assert (c2.stats.hits, c2.stats.misses) == (0, 1)
 
 
+def test_lookahead_keys_the_token_after_the_prefix():
+    """lookahead=1 (the MTP drafter's snapshots depend on the token after the prefix): a hit needs that token equal
+    too; prefixes() still reports the prefix's own length."""
+    c = PrefixCache(100, 64, block=4, lookahead=1)
+    a = np.arange(20, dtype=np.int32)
+    c.insert(a, c.chain(a), 8, _snap(1), 1)
+    b = a.copy()
+    b[8] = 99                                              # the same 8-token prefix, another token after it
+    assert c.lookup(a[:9])[0] == 8 and c.lookup(b) == (0, None)
+    assert c.cached(a, c.chain(a), 8) and not c.cached(b, c.chain(b), 8) and c.prefixes() == [(8, 1)]
+    with pytest.raises(ValueError, match="lookahead"):
+        PrefixCache(100, 64, block=4, lookahead=2)
+
+
 def test_lru_eviction_under_the_byte_budget():
     c = PrefixCache(10, 64, block=4)
     prompts = [np.full(9, i, np.int32) for i in range(4)]

@@ -64,7 +64,7 @@ def test_greedy_speculation_equals_plain_greedy_and_leaves_the_plain_state(model
     first = 1 + int(np.nonzero(plain[2, 1:] == stop)[0][0]) if plain[2, 0] != stop else 0
     want = [plain[0].tolist(), plain[1, :11].tolist(), plain[2, :first + 1].tolist()]
     args = (model, prompts, [SamplingParams(max_new_tokens=m) for m in max_new], [(), (), (stop,)])
-    got, stats, final = spec_generate.run(*args, "dspark", k=k)
+    got, stats, final, _ = spec_generate.run(*args, "dspark", k=k)
     print("dspark drafter, k=3:", stats)
     assert [got[b][got[b] >= 0].tolist() for b in range(3)] == want
     assert all((got[b, len(want[b]):] == -1).all() for b in range(3))
@@ -84,7 +84,7 @@ def test_greedy_speculation_equals_plain_greedy_and_leaves_the_plain_state(model
         return jax.numpy.asarray(drafts), None
 
     monkeypatch.setattr(dspark_drafter, "draft_program", lambda model, greedy: oracle)
-    got, stats, final = spec_generate.run(*args, "dspark", k=k)
+    got, stats, final, _ = spec_generate.run(*args, "dspark", k=k)
     print("oracle drafter, k=3:", stats)
     assert [got[b][got[b] >= 0].tolist() for b in range(3)] == want
     assert stats["acceptance_per_position"][k - 1] > 0.1 and stats["mean_accepted_length"] > 2
@@ -170,7 +170,7 @@ def test_regions_mode_speculation_equals_the_scan_mode(model, folder, prompts):
     sp = [SamplingParams(max_new_tokens=10), SamplingParams(temperature=1.0, top_k=8, seed=3, max_new_tokens=10),
           SamplingParams(max_new_tokens=10)]
     runs = [spec_generate.run(m, prompts, sp, [(), (), ()], "dspark", k=3) for m in (model, regions)]
-    (scan_out, scan_stats, scan_final), (reg_out, reg_stats, reg_final) = runs
+    (scan_out, scan_stats, scan_final, _), (reg_out, reg_stats, reg_final, _) = runs
     np.testing.assert_array_equal(reg_out, scan_out)
     assert reg_stats == scan_stats
     for a, b in zip(jax.tree_util.tree_leaves((scan_final.state, scan_final.dstate)),

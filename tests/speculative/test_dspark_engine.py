@@ -166,5 +166,43 @@ def test_dspark_engine_applies_logit_bias_and_min_tokens(no_engram):
     assert [o.tokens for o in got] == [o.tokens for o in plain]
     assert all(o.tokens != free[:len(o.tokens)] for o in plain)
     generated = jdeep.generate(no_engram, [p for p, _ in asks], sampling=[s for _, s in asks], ignore_eos=True,
-                               speculative=spec)
+                               speculative=spec, return_logits=True)
     assert [generated.tokens[b, :generated.lengths[b]].tolist() for b in range(2)] == [o.tokens for o in plain]
+    plain_logits = jdeep.generate(no_engram, [p for p, _ in asks], sampling=[s for _, s in asks], ignore_eos=True,
+                                  return_logits=True).logits
+    np.testing.assert_allclose(generated.logits, plain_logits, atol=1e-4)     # the target's, NaN after the end
+
+
+def test_dspark_engine_reports_logprobs(no_engram):
+    """logprobs from the target's logits at each emitted position, as the plain engine reports them."""
+    requests = [(p, SamplingParams(max_new_tokens=8, logprobs=2)) for p, _ in _requests(no_engram.config.vocab_size,
+                                                                                         seed=4)[:2]]
+    plain = _serve(Engine(no_engram, **ENGINE), requests, join_after=0)
+    got = _serve(make_engine(no_engram, {"method": "dspark", "num_speculative_tokens": 2}, **ENGINE), requests,
+                 join_after=0)
+    for g, p in zip(got, plain):
+        assert g.tokens == p.tokens and [e[0] for e in g.logprobs] == p.tokens
+        np.testing.assert_allclose([e[1] for e in g.logprobs], [e[1] for e in p.logprobs], atol=1e-4)
+        assert [[i for i, _ in e[2]] for e in g.logprobs] == [[i for i, _ in e[2]] for e in p.logprobs]
+
+
+def test_dspark_engine_with_the_prefix_cache(no_engram):
+    """The prefix cache with DSpark drafting: requests sharing a cached 128-token prefix restore the target's and the
+    drafter windows' snapshot and get the plain engine's greedy tokens; the windows hold the target's taps of each
+    position and nothing after it, so a prompt that differs right after the prefix hits too (lookahead 0)."""
+    rng = np.random.default_rng(7)
+    ids = rng.integers(3, no_engram.config.vocab_size, 200).tolist()
+    other = (ids[128] + 1) % no_engram.config.vocab_size
+    prompts = [ids, ids[:170], ids[:128] + [other] + ids[129:170]]
+    kw = dict(max_num_seqs=2, max_len=512, prefill_chunk=128, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=8)
+    engines = [Engine(no_engram, **kw), make_engine(no_engram, {"method": "dspark", "num_speculative_tokens": 2},
+                                                    prefix_cache_bytes=64 << 20, **kw)]
+    outs = [[], []]
+    for p in prompts:
+        for eng, out in zip(engines, outs):
+            rid = eng.add_request(p, sp)
+            out.append(eng.run()[rid].tokens)
+            eng.release(rid)
+    stats = engines[1].prefix_cache_stats
+    assert outs[1] == outs[0] and stats.hits == 2 and stats.misses == 1, stats

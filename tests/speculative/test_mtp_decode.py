@@ -48,7 +48,7 @@ def test_greedy_speculation_equals_plain_greedy(models, quantized, ks):
     plain = jdeep.generate(model, [p.tolist() for p in prompts], max_new_tokens=24, ignore_eos=True)
     want = [plain.tokens[b, :max_new[b]].tolist() for b in range(len(prompts))]
     for k in ks:
-        got, stats, (state, _, _) = spec_generate.run(model, prompts,
+        got, stats, (state, _, _), _ = spec_generate.run(model, prompts,
                                                       [SamplingParams(max_new_tokens=m) for m in max_new],
                                                       [()] * len(prompts), "mtp", k=k, block_iterations=1)
         assert [got[b, :max_new[b]].tolist() for b in range(len(prompts))] == want, k
@@ -79,8 +79,8 @@ def test_greedy_speculation_matches_deepseek_on_the_golden():
     model, ref = jdeep.load(folder, mtp=True, quantize_activations=False), np.load(folder / "reference_noquant.npz")
     n = len([f for f in ref.files if f.startswith("prompt_")])
     prompts = [ref[f"prompt_{i}"].astype(np.int32) for i in range(n)]
-    got, stats, _ = spec_generate.run(model, prompts, [SamplingParams(max_new_tokens=16)] * n, [()] * n, "mtp", k=2,
-                                      block_iterations=1)
+    got, stats, _, _ = spec_generate.run(model, prompts, [SamplingParams(max_new_tokens=16)] * n, [()] * n, "mtp",
+                                         k=2, block_iterations=1)
     assert stats["iterations"] > 0
     for i in range(n):
         want = ref[f"greedy_{i}"]
@@ -98,10 +98,21 @@ def test_speculative_requests_that_cannot_run_fail_clearly(models):
                        ({"method": "mtp", "k": 2}, "unknown speculative field"), ("mtp", "must be a dict")]:
         with pytest.raises(ValueError, match=what):
             jdeep.generate(model, prompt, speculative=spec)
-    with pytest.raises(ValueError, match="return_logits"):
-        jdeep.generate(model, prompt, return_logits=True, speculative={"method": "mtp"})
     with pytest.raises(ValueError, match="mtp=True"):
         jdeep.generate(jdeep.load(DEMO), prompt, speculative={"method": "mtp"})
+
+
+def test_speculative_generate_returns_logits(models):
+    """return_logits with speculation: the target's logits at each emitted token (row 0 the last prompt position's),
+    as plain decoding returns them, NaN after a request ends."""
+    model, prompts = models[False], [[0, 5, 9], [7, 8, 9, 10, 11]]
+    sp = [SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=4)]
+    plain = jdeep.generate(model, prompts, sampling=sp, return_logits=True, ignore_eos=True)
+    spec = jdeep.generate(model, prompts, sampling=sp, return_logits=True, ignore_eos=True,
+                          speculative={"method": "mtp", "num_speculative_tokens": 2})
+    np.testing.assert_array_equal(spec.tokens, plain.tokens)
+    assert np.isnan(spec.logits[1, 4:]).all() and not np.isnan(spec.logits[0]).any()
+    np.testing.assert_allclose(spec.logits, plain.logits, atol=1e-4)
 
 
 def test_undo_log_leaves_the_plain_state(models):
@@ -229,7 +240,7 @@ def test_regions_mode_speculation_equals_the_scan_mode(models):
     prompts = _prompts(scan)
     sp = [SamplingParams(max_new_tokens=m) for m in (12, 9, 12, 5)]
     runs = [spec_generate.run(m, prompts, sp, [()] * len(prompts), "mtp", k=2) for m in (scan, regions)]
-    (tok_s, stats_s, (state_s, _, _)), (tok_r, stats_r, (state_r, _, _)) = runs
+    (tok_s, stats_s, (state_s, _, _), _), (tok_r, stats_r, (state_r, _, _), _) = runs
     np.testing.assert_array_equal(tok_r, tok_s)
     assert stats_r == stats_s and stats_s["accepted"] > 0
     for a, b in zip(jax.tree_util.tree_leaves(state_s), jax.tree_util.tree_leaves(state_r)):

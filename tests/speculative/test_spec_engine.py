@@ -123,3 +123,61 @@ def test_logit_bias_and_min_tokens_with_speculation(model):
             assert r.choices[0].token_ids == want
             assert want != free[:len(want)]
     assert stop in free[:3] and stop not in want[:6]           # held back until the request has min_tokens
+
+
+def _assert_same_logprobs(got, want):
+    """Entries (token, logprob, [(id, logprob)] top) equal but for float rounding: the verify step scores k + 1
+    positions in one chunk where plain decoding scores one."""
+    assert [e[0] for e in got] == [e[0] for e in want]
+    np.testing.assert_allclose([e[1] for e in got], [e[1] for e in want], atol=1e-4)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose([v for _, v in g[2]], [v for _, v in w[2]], atol=1e-4)
+        assert [i for i, _ in g[2]] == [i for i, _ in w[2]]
+
+
+def test_logprobs_with_speculation(model):
+    """logprobs / top_logprobs come from the target's logits at each emitted position (acceptance.Emitted): the MTP
+    engine, jdeep.generate's speculative path and the server (through the OpenAI client) report plain decoding's."""
+    requests = [(p, SamplingParams(max_new_tokens=10, logprobs=3)) for p, _ in _requests(model)[:3]]
+    plain = _serve(Engine(model, **ENGINE), requests)
+    spec = _serve(make_engine(model, SPEC, **ENGINE), requests)
+    for s, p in zip(spec, plain):
+        assert s.tokens == p.tokens and len(s.logprobs) == len(s.tokens)
+        _assert_same_logprobs(s.logprobs, p.logprobs)
+    out = jdeep.generate(model, [p for p, _ in requests], sampling=[s for _, s in requests], ignore_eos=True,
+                         speculative=SPEC)
+    for b, p in enumerate(plain):
+        _assert_same_logprobs(out.logprobs[b], p.logprobs)
+    with background_server(make_engine(model, SPEC, **ENGINE), ServerSettings("demo")) as (url, _):
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+        r = client.completions.create(model="demo", prompt=requests[0][0], max_tokens=10, temperature=0, logprobs=3,
+                                      extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == plain[0].tokens
+    np.testing.assert_allclose(r.choices[0].logprobs.token_logprobs, [e[1] for e in plain[0].logprobs], atol=1e-4)
+    assert [len(t) for t in r.choices[0].logprobs.top_logprobs] == [3] * 10
+
+
+def test_prefix_cache_with_speculation(model):
+    """The prefix cache with MTP drafting: a request sharing a cached 128-token prefix restores the target's and the
+    drafter's snapshot (a hit) and gets the plain engine's greedy tokens. The MTP window entry at a prefix's last
+    position holds the token after it, so a prompt that shares the prefix but not that token misses (lookahead 1)
+    and still gets plain decoding's tokens."""
+    text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 10
+    ids = model.tokenizer.encode(text)
+    other = next(t for t in range(5, model.config.vocab_size) if t != ids[128])
+    prompts = [ids[:200], ids[:170], ids[:128] + [other] + ids[129:170]]
+    kw = dict(max_num_seqs=2, max_len=512, prefill_chunk=128, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=8)
+    plain = Engine(model, **kw)
+    want = []
+    for p in prompts:
+        rid = plain.add_request(p, sp)
+        want.append(plain.run()[rid].tokens)
+    eng = make_engine(model, SPEC, prefix_cache_bytes=64 << 20, **kw)
+    got = []
+    for p in prompts:
+        rid = eng.add_request(p, sp)
+        got.append(eng.run()[rid].tokens)
+        eng.release(rid)
+    stats = eng.prefix_cache_stats
+    assert got == want and stats.inserts >= 1 and stats.hits == 1 and stats.misses == 2, stats
