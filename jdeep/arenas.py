@@ -94,6 +94,6 @@ def pack_params(params: dict) -> dict:
         return {"arena": pack_slot(rest), "experts": experts}
 
     out = {**params, "segments": [[packed(slot) for slot in seg] for seg in params["segments"]]}
-    if "ffn" in params.get("mtp", {}):
-        out["mtp"] = packed(params["mtp"])
+    if "ffn" in params.get("drafter", {}):
+        out["drafter"] = packed(params["drafter"])
     return out

@@ -6,11 +6,11 @@ Parameter tree (all leaves of one layer kind stacked layer-major, see plan.py):
     {"embed": [V, d], "head": [d, V], "norm": [d], "hc_head_fn": [n, n*d] f32, "hc_head_base": [n] f32,
      "hc_head_scale": [1] f32,
      "segments": [ [ {layer tree of slot 0, leaves [reps, ...]}, ... ], ... ],
-     "mtp": {MTP block tree, leaves [depths, ...]}}      # only with a plan that runs the MTP blocks
+     "drafter": {MTP block tree, leaves [depths, ...]}}      # only with a plan that runs the MTP blocks
 
-A V4.1 plan with DSpark stages (plan.dspark) holds the drafter in "mtp" instead (model/dspark.py):
+A V4.1 plan with DSpark stages (plan.dspark) holds the DSpark drafter there instead (model/dspark.py):
 
-    "mtp": {"stages": {layer tree of the stages, leaves [stages, ...], experts [stages, E_dspark, ...]},
+    "drafter": {"stages": {layer tree of the stages, leaves [stages, ...], experts [stages, E_dspark, ...]},
             "input":  {"main_proj": [d, n_taps*d] (fp8 codes), "main_norm": [d]},           # stage 0's extras
             "output": {"norm": [d], "markov_embed": [V, r], "markov_head": [r, V] (input-major), # the last stage's
                        "confidence": [1, d + r]}}                                           # extras, float
@@ -254,14 +254,14 @@ def mtp_specs(c: ModelConfig) -> list[TensorSpec]:
 
 def dspark_stage_specs(c: ModelConfig) -> list[TensorSpec]:
     """What every DSpark stage `mtp.k` holds (model-spec.md §5.8): a V4.1 sliding-window layer whose MoE has the
-    dspark expert counts, placed under "stages" in params["mtp"] (stacked over the stages). The image routing bias
+    dspark expert counts, placed under "stages" in params["drafter"] (stacked over the stages). The image routing bias
     is left out: DeepSeek's stages always route with `bias` (drafts are text)."""
     return [dataclasses.replace(s, path=("stages",) + s.path) for s in layer_specs(dspark_stage_config(c), dspark_kind(c))
             if s.name != "ffn.gate.bias_vl"]
 
 
 def dspark_extra_specs(c: ModelConfig) -> list[tuple[int, TensorSpec]]:
-    """(stage, spec) of the tensors only one DSpark stage has, unstacked in params["mtp"]: stage 0's projection of
+    """(stage, spec) of the tensors only one DSpark stage has, unstacked in params["drafter"]: stage 0's projection of
     the target hiddens (main_proj, fp8 like the block's linears, then main_norm) and the last stage's final norm,
     Markov head (embed [V, rank]; head [V, rank], kept input-major like the vocabulary head) and confidence head
     ([1, d + rank]; bf16 in the checkpoint, float here)."""
@@ -282,8 +282,8 @@ def dspark_extra_specs(c: ModelConfig) -> list[tuple[int, TensorSpec]]:
 def expected_tensors(config: ModelConfig, plan: LayerPlan) -> Iterator[tuple[str, TensorSpec, tuple]]:
     """(checkpoint name, spec, destination) for every tensor the model needs.
 
-    destination: ("top",), ("seg", segment, slot, rep) or ("mtp", depth) (a plan with MTP blocks or DSpark stages),
-    ("mtp",) for a DSpark tensor only one stage has (unstacked)."""
+    destination: ("top",), ("seg", segment, slot, rep) or ("drafter", depth) (a plan with MTP blocks or DSpark stages),
+    ("drafter",) for a DSpark tensor only one stage has (unstacked)."""
     for spec in top_specs(config):
         yield spec.name, spec, ("top",)
     for s, seg in enumerate(plan.segments):
@@ -295,13 +295,13 @@ def expected_tensors(config: ModelConfig, plan: LayerPlan) -> Iterator[tuple[str
     if plan.mtp is not None:
         for depth in range(plan.mtp.reps):
             for spec in mtp_specs(config):
-                yield f"mtp.{depth}.{spec.name}", spec, ("mtp", depth)
+                yield f"mtp.{depth}.{spec.name}", spec, ("drafter", depth)
     if plan.dspark is not None:
         for stage in range(plan.dspark.reps):
             for spec in dspark_stage_specs(config):
-                yield f"mtp.{stage}.{spec.name}", spec, ("mtp", stage)
+                yield f"mtp.{stage}.{spec.name}", spec, ("drafter", stage)
         for stage, spec in dspark_extra_specs(config):
-            yield f"mtp.{stage}.{spec.name}", spec, ("mtp",)
+            yield f"mtp.{stage}.{spec.name}", spec, ("drafter",)
 
 
 def engram_table_specs(c: ModelConfig) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
@@ -330,7 +330,7 @@ def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
 
 
 def leaf_plan(config: ModelConfig, plan: LayerPlan) -> dict[tuple, tuple[tuple[int, ...], str]]:
-    """Every tree leaf: key (("top",) | ("seg", s, slot) | ("mtp",)) + path -> (full shape, dtype class)."""
+    """Every tree leaf: key (("top",) | ("seg", s, slot) | ("drafter",)) + path -> (full shape, dtype class)."""
     leaves: dict[tuple, tuple[tuple[int, ...], str]] = {}
     for spec in top_specs(config):
         for path, shape, cls in tree_leaves(spec):
@@ -348,12 +348,12 @@ def leaf_plan(config: ModelConfig, plan: LayerPlan) -> dict[tuple, tuple[tuple[i
         for slot, kind in enumerate(seg.pattern):
             stacked(("seg", s, slot), layer_specs(config, kind), seg.reps)
     if plan.mtp is not None:
-        stacked(("mtp",), mtp_specs(config), plan.mtp.reps)
+        stacked(("drafter",), mtp_specs(config), plan.mtp.reps)
     if plan.dspark is not None:
-        stacked(("mtp",), dspark_stage_specs(config), plan.dspark.reps, dspark_stage_config(config).n_routed_experts)
+        stacked(("drafter",), dspark_stage_specs(config), plan.dspark.reps, dspark_stage_config(config).n_routed_experts)
         for _, spec in dspark_extra_specs(config):
             for path, shape, cls in tree_leaves(spec):
-                leaves[("mtp",) + path] = (shape, cls)
+                leaves[("drafter",) + path] = (shape, cls)
     return leaves
 
 
@@ -361,7 +361,7 @@ def empty_tree(plan: LayerPlan) -> dict:
     """The param tree's skeleton: one empty layer tree per segment slot (and one for the MTP blocks)."""
     tree: dict = {"segments": [[{} for _ in seg.pattern] for seg in plan.segments]}
     if plan.mtp is not None or plan.dspark is not None:
-        tree["mtp"] = {}
+        tree["drafter"] = {}
     return tree
 
 
@@ -369,8 +369,8 @@ def put_leaf(params: dict, key: tuple, value: Any) -> None:
     """Set the leaf of `leaf_plan` key `key` in the param tree."""
     if key[0] == "top":
         _set_path(params, key[1:], value)
-    elif key[0] == "mtp":
-        _set_path(params["mtp"], key[1:], value)
+    elif key[0] == "drafter":
+        _set_path(params["drafter"], key[1:], value)
     else:
         _set_path(params["segments"][key[1]][key[2]], key[3:], value)
 
@@ -388,10 +388,10 @@ def abstract_params(config: ModelConfig, plan: LayerPlan, dtype: Any) -> dict:
 
 
 def tree_path(key: tuple) -> tuple:
-    """A leaf key of `leaf_plan` as its path in the param tree (("embed",), ("segments", s, slot, ...), ("mtp", ...))."""
+    """A leaf key of `leaf_plan` as its path in the param tree (("embed",), ("segments", s, slot, ...), ("drafter", ...))."""
     if key[0] == "top":
         return key[1:]
-    return key if key[0] == "mtp" else ("segments",) + key[1:]
+    return key if key[0] == "drafter" else ("segments",) + key[1:]
 
 
 def padded_experts(n_experts: int, expert_axis: int) -> int:

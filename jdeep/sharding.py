@@ -179,7 +179,7 @@ class Layout:
         ("segments", s, slot, "attn", "wq_b", "codes"), ...)."""
         if path and path[0] == "segments":
             return self._spec(param_logical_axes(tuple(path[3:]), len(shape), 1), shape)
-        if path and path[0] == "mtp":
+        if path and path[0] == "drafter":
             return self._spec(param_logical_axes(tuple(path[1:]), len(shape), 1), shape)
         return self._spec(param_logical_axes(tuple(path), len(shape), 0), shape)
 

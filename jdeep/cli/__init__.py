@@ -88,9 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "prefill in what is left, oldest first (default: max-num-seqs + prefill-chunk; smaller "
                          "lowers the streams' inter-token latency while long prompts prefill, at their TTFT's cost)")
     sv.add_argument("--seed", type=int, default=0, help="base seed of requests sent without one")
-    sv.add_argument("--prefix-cache-bytes", type=parse_bytes, default=0,
+    sv.add_argument("--prefix-cache-bytes", type=lambda t: "auto" if t.strip() == "auto" else parse_bytes(t),
+                    default="auto",
                     help="device memory for prefix caching: snapshots of the decode state at 128-token prefix "
-                         "boundaries that later prompts sharing the prefix start from (e.g. 2G; default 0: off)")
+                         "boundaries that later prompts sharing the prefix start from (e.g. 2G; 0: off; default "
+                         "auto: a quarter of the decode state's bytes, at most an eighth of the device's memory; off "
+                         "on a device mesh)")
     add_speculative_arg(sv, "; every request drafts k tokens per iteration")
     sv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="compile every batch-size and prefill-length bucket before serving (default on: no compile "

@@ -184,14 +184,14 @@ def _fill_plan(expected: list) -> dict[tuple, list]:
     fills: dict[tuple, list] = {}
     for name, spec, dest in expected:
         prefix = name[: len(name) - len(spec.name)]
-        key0 = dest[:1] if dest[0] in ("top", "mtp") else ("seg", dest[1], dest[2])
+        key0 = dest[:1] if dest[0] in ("top", "drafter") else ("seg", dest[1], dest[2])
         for tname, role, _shape, suffix in _roles(spec):
             if spec.fmt == FP8_DEQUANT:
                 path = key0 + spec.path
             else:
                 path = key0 + spec.path + ((suffix,) if suffix else ())
             expert = (spec.expert,) if spec.expert is not None else ()
-            idx = () if dest[0] == "top" else (dest[1:] if dest[0] == "mtp" else dest[3:]) + expert
+            idx = () if dest[0] == "top" else (dest[1:] if dest[0] == "drafter" else dest[3:]) + expert
             fills.setdefault(path, []).append((prefix + tname, role, spec, idx))
     return fills
 

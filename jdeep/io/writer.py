@@ -63,8 +63,8 @@ def named_tensors(config: ModelConfig, plan: LayerPlan, params: dict) -> dict[st
         expert = (spec.expert,) if spec.expert is not None else ()
         if dest[0] == "top":
             tree, idx = params, ()
-        elif dest[0] == "mtp":
-            tree, idx = params["mtp"], dest[1:] + expert
+        elif dest[0] == "drafter":
+            tree, idx = params["drafter"], dest[1:] + expert
         else:
             tree, idx = params["segments"][dest[1]][dest[2]], dest[3:] + expert
         for p in spec.path:

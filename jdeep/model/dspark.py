@@ -16,7 +16,7 @@ target step that ran there) and then drafts the block at positions pos+1 .. pos+
 (start_pos 0) only seeds the windows, which is `dspark_append` over the prompt. docs/speculative.md lists what was
 read from DeepSeek's code.
 
-Parameters: params["mtp"] = {"stages", "input", "output"} (param_spec.py, loaded by jdeep.load(..., mtp=True));
+Parameters: params["drafter"] = {"stages", "input", "output"} (param_spec.py, loaded by jdeep.load(..., mtp=True));
 the embedding and vocabulary head are the backbone's. State: {"window": [stages, B, W+1, D | record]}, the rings
 of state.py (slot t mod W, scratch row W).
 """
@@ -86,7 +86,7 @@ def dspark_append(params: dict, dstate: dict, main_hidden: jax.Array, positions:
     Prefill seeds every prompt position; a decode step appends the positions it accepted. Only each row's last W
     positions of the chunk reach the ring (slot t mod W). Returns the updated dstate."""
     _require(params, plan)
-    mtp = params["mtp"]
+    mtp = params["drafter"]
     main_x = _main_x(mtp["input"], main_hidden, config=config, numerics=numerics)
     chunk = make_chunk(jnp.zeros(positions.shape, jnp.int32), positions, config.vocab_size)
     freqs = _freqs(config)
@@ -121,7 +121,7 @@ def dspark_draft(params: dict, dstate: dict, anchor: jax.Array, anchor_pos: jax.
     ds = config.dspark
     if ds.noise_token_id is None or ds.markov_rank is None:
         raise ValueError("the DSpark drafter needs dspark_noise_token_id and dspark_markov_rank in config.json")
-    mtp = params["mtp"]
+    mtp = params["drafter"]
     B, block = anchor.shape[0], ds.block_size
     tokens = jnp.concatenate([anchor[:, None].astype(jnp.int32),
                               jnp.full((B, block - 1), ds.noise_token_id, jnp.int32)], axis=1)

@@ -27,7 +27,7 @@ from .model import Model, as_jax_dtype
 from .vision import PLACEMENTS, VisionTower
 from .weights import WEIGHT_FORMATS, decode_weights, resident_bytes, to_cpu_bf16
 
-__all__ = ["load"]
+__all__ = ["load", "device_memory"]
 
 
 def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: bool | None = None,
@@ -62,7 +62,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     equal the number of devices (of all processes, after jax.distributed.initialize). Each process reads
     only the checkpoint slices its devices hold; routed experts are padded with zero experts to a multiple
     of the expert axis. Both compile modes run on the mesh, with an expert-parallel MoE.
-    drafter (alias: mtp): also load the checkpoint's drafter, the `mtp.*` tensors, into params["mtp"]: DeepSeek-V4's
+    drafter (alias: mtp): also load the checkpoint's drafter, the `mtp.*` tensors, into params["drafter"]: DeepSeek-V4's
     MTP blocks (model-spec.md §4.7, model/mtp.py) or DeepSeek-V4.1's DSpark stages (§5.8, model/dspark.py;
     plan.dspark), what speculative decoding drafts with; otherwise their tensors are checked by name only and not
     read.
@@ -184,12 +184,12 @@ def _default_weights(params: dict, jdtype, n_devices: int) -> str:
     """The platform's weight format (kernels.weight_format), but codes where the decoded weights would take more
     than half of a device's memory (a released checkpoint decoded to float32 is ~7x its download)."""
     fmt = kernels.weight_format()
-    if fmt == "decoded" and resident_bytes(params, "decoded", jdtype) / n_devices > _device_memory() / 2:
+    if fmt == "decoded" and resident_bytes(params, "decoded", jdtype) / n_devices > device_memory() / 2:
         return "codes"
     return fmt
 
 
-def _device_memory() -> int:
+def device_memory() -> int:
     """Bytes of memory of the default device: its allocator's limit (GPU), else the host's RAM (CPU)."""
     stats = None
     try:

@@ -7,7 +7,7 @@ of depth k-1).
     X'  = Block(X')                                    (a sliding-window layer with a top-k MoE, own KV window)
     logits = head(norm(hc_head collapse of X'))        (own head mixer and norm, the backbone's vocabulary head)
 
-The blocks live in the plan's `mtp` segment (build_plan(mtp=True)) and the param tree's "mtp" subtree, their
+The blocks live in the plan's `mtp` segment (build_plan(mtp=True)) and the param tree's "drafter" subtree, their
 window state in `empty_mtp_state` (one [depths, B, W+1, D] ring, like a backbone layer's).
 """
 
@@ -74,7 +74,7 @@ def mtp_step(params: dict, state: dict, hidden: jax.Array, next_tokens: jax.Arra
         raise ValueError("the MTP blocks need the token embedding on the device (load without host_embedding)")
     eps = config.norm_eps
     chunk = make_chunk(next_tokens, positions, config.vocab_size)
-    per_layer, experts = slot_params(params["mtp"])
+    per_layer, experts = slot_params(params["drafter"])
     p = unpacked(jax.tree_util.tree_map(lambda a: a[depth], per_layer))
     e = rms_norm(params["embed"][chunk.tokens], p["enorm"], eps)
     x = dense(e, p["e_proj"], numerics)[:, :, None, :] + dense(rms_norm(hidden, p["hnorm"], eps), p["h_proj"], numerics)

@@ -24,8 +24,9 @@ v41-tiny-q's logits with 64-token chunks). The cache cuts chunks only at block m
 are whole blocks (bucket >= 128 with prefill_chunk >= 128); a hit's prompt tail after the prefix may be chunked
 in smaller buckets than a from-scratch run would chunk it, and then differs from it as any rechunking does.
 
-The engine takes and restores a slot's snapshot (Engine.snapshot_slot / restore_slot): the speculative engine's
-pairs the target's with its drafter's (Drafter.snapshot). Not served: requests asking for prompt logprobs look
+The hooks take the engine's slot pool (slot_pool.SlotPool), which takes and restores a slot's snapshot
+(SlotPool.snapshot / restore): the speculative engine's pool pairs the target's with its drafter's
+(Drafter.snapshot). Not served: requests asking for prompt logprobs look
 nothing up (they need every prompt position's logits); a device mesh (model.layout) refuses the cache.
 """
 
@@ -37,20 +38,38 @@ import jax
 import numpy as np
 
 from ..model.cache import PROGRAMS
-from ..state import restore_slot, snapshot_slot
+from ..state import restore_slot, snapshot_slot, state_bytes
+from ..model.load import device_memory
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache, PrefixPlan
 from .steps import length_bucket
 
-__all__ = ["prefix_cache_for", "admit_cached", "cut_at_targets", "snapshot_prefills", "take_snapshot",
+__all__ = ["AUTO", "auto_budget", "prefix_cache_for", "admit_cached", "cut_at_targets", "snapshot_prefills", "take_snapshot",
            "restore_snapshot", "replay_history", "warm_snapshots"]
 
 
-def prefix_cache_for(model, budget_bytes: int, max_len: int, lookahead: int = 0) -> PrefixCache | None:
-    """The Engine's cache for a decode state of `max_len` tokens (None when budget_bytes is 0); ValueError for a
-    model on a device mesh. The block is DEFAULT_BLOCK, or a multiple of a larger compress ratio; lookahead:
-    PrefixCache's."""
+AUTO = "auto"
+
+
+def auto_budget(model, n_slots: int, max_len: int) -> int:
+    """The default budget (prefix_cache_bytes="auto", `jdeep serve`'s default): the device bytes of a quarter of
+    the decode state (n_slots // 4 snapshots of full-length prompts, at least one; snapshots of shorter prefixes
+    take proportionally less), capped at an eighth of the device's memory; 0 (off) on a device mesh, which the
+    cache does not support."""
+    if model.layout is not None:
+        return 0
+    one_slot = state_bytes(model.config, model.plan, 1, max_len, model.dtype, model.numerics)
+    return min(max(1, n_slots // 4) * one_slot, device_memory() // 8)
+
+
+def prefix_cache_for(model, budget_bytes: int | str, max_len: int, lookahead: int = 0,
+                     n_slots: int = 1) -> PrefixCache | None:
+    """The Engine's cache for a decode state of `max_len` tokens and `n_slots` slots (None when budget_bytes is 0;
+    "auto": auto_budget); ValueError for an explicit budget on a device mesh. The block is DEFAULT_BLOCK, or a
+    multiple of a larger compress ratio; lookahead: PrefixCache's."""
+    if budget_bytes == AUTO:
+        budget_bytes = auto_budget(model, n_slots, max_len)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-        raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {budget_bytes!r}")
+        raise ValueError(f"prefix_cache_bytes must be an integer >= 0 or 'auto', got {budget_bytes!r}")
     if not budget_bytes:
         return None
     if model.layout is not None:
@@ -85,14 +104,14 @@ def replay_history(history, slot: int, prefix: np.ndarray, image_token_id: int |
     history.advance(toks, n_valid, None if image_token_id is None else toks == image_token_id)
 
 
-def admit_cached(engine, slots: list[int]) -> None:
+def admit_cached(pool, slots: list[int]) -> None:
     """Requests that just took `slots` (freshly reset, histories reset) start from the longest cached prefix of their
     prompt and get their snapshot points (module docstring). Nothing without a cache (as every hook here)."""
-    cache = engine.prefix_cache
+    cache = pool.prefix_cache
     if cache is None:
         return
     for i in slots:
-        s = engine.slots[i]
+        s = pool.slots[i]
         ids = s.request.ids
         if s.request.images:      # an image span's positions all hold image_token_id: cache the text before it only
             ids = ids[:s.request.images[0][0]]
@@ -100,9 +119,9 @@ def admit_cached(engine, slots: list[int]) -> None:
         if s.params.prompt_logprobs is None:
             n, snap = cache.lookup(ids, chain)
             if snap is not None:
-                engine.restore_slot(i, snap)
-                if engine.history is not None:
-                    replay_history(engine.history, i, ids[:n], engine.model.config.image_token_id)
+                pool.restore(i, snap)
+                if pool.history is not None:
+                    replay_history(pool.history, i, ids[:n], pool.model.config.image_token_id)
                 s.prefilled = n
         targets = cache.targets(ids, chain, s.prefilled)
         if targets:
@@ -111,31 +130,31 @@ def admit_cached(engine, slots: list[int]) -> None:
             cache.plans.pop(s.out.request_id, None)
 
 
-def cut_at_targets(engine, remaining: list[int | None]) -> list[int | None]:
+def cut_at_targets(pool, remaining: list[int | None]) -> list[int | None]:
     """Each slot's prompt tokens left to prefill, counted only up to its next snapshot point (so the scheduler ends
     its chunk there); forgets the plans of requests that left (finished or aborted)."""
-    cache = engine.prefix_cache
+    cache = pool.prefix_cache
     if cache is None:
         return remaining
-    live = {s.out.request_id for s in engine.slots if s is not None}
+    live = {s.out.request_id for s in pool.slots if s is not None}
     for rid in [r for r in cache.plans if r not in live]:
         del cache.plans[rid]
     out = list(remaining)
-    for i, s in enumerate(engine.slots):
+    for i, s in enumerate(pool.slots):
         plan = cache.plans.get(s.out.request_id) if s is not None else None
         if plan is not None and out[i]:
             out[i] = min(out[i], plan.targets[0] - s.prefilled)
     return out
 
 
-def snapshot_prefills(engine, slots) -> None:
+def snapshot_prefills(pool, slots) -> None:
     """After a prefill chunk: copy out every slot in `slots` whose prefill now ends on its next snapshot point, unless
     that prefix is cached already."""
-    cache = engine.prefix_cache
+    cache = pool.prefix_cache
     if cache is None:
         return
     for i in slots:
-        s = engine.slots[i]
+        s = pool.slots[i]
         plan = cache.plans.get(s.out.request_id)
         if plan is None or s.prefilled != plan.targets[0]:
             continue
@@ -143,19 +162,19 @@ def snapshot_prefills(engine, slots) -> None:
         if not plan.targets:
             del cache.plans[s.out.request_id]
         if not cache.cached(s.request.ids, plan.chain, p):
-            snap, nbytes = engine.snapshot_slot(i, p)
+            snap, nbytes = pool.snapshot(i, p)
             cache.insert(s.request.ids, plan.chain, p, snap, nbytes)
 
 
-def warm_snapshots(engine) -> int:
-    """Run the copy-out and copy-in program of every snapshot size on slot 0 (onto itself: the state is unchanged);
-    returns the number of programs run."""
-    cache, n = engine.prefix_cache, 0
-    if cache is None or engine.max_len - 1 < cache.block:      # (no prefix that short can be cached)
+def warm_snapshots(pool, max_len: int) -> int:
+    """Run the copy-out and copy-in program of every snapshot size a prompt of up to max_len - 1 tokens can take, on
+    slot 0 (onto itself: the state is unchanged); returns the number of programs run."""
+    cache, n = pool.prefix_cache, 0
+    if cache is None or max_len - 1 < cache.block:      # (no prefix that short can be cached)
         return 0
-    size, largest = cache.block, length_bucket(engine.max_len - 1, cache.block)
+    size, largest = cache.block, length_bucket(max_len - 1, cache.block)
     while size <= largest:
-        snap, _ = engine.snapshot_slot(0, size)
-        engine.restore_slot(0, snap)
+        snap, _ = pool.snapshot(0, size)
+        pool.restore(0, snap)
         size, n = size * 2, n + 2
     return n

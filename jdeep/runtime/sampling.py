@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingParams", "SamplingBatch", "PenaltyState", "sample", "sample_logprobs", "batch_params",
+__all__ = ["SamplingParams", "SamplingBatch", "PenaltyState", "sample", "sample_logprobs", "batch_params", "host_batch",
            "TOP_K_MAX", "TOP_P_ITERS", "INT32_MAX", "SEED_MAX", "FLOAT32_MAX", "MAX_STOP_TOKEN_IDS", "MAX_STOP_STRINGS",
            "MAX_STOP_CHARS", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "TOP_LOGPROBS_WIDTH", "MAX_PENALTY",
            "MIN_STOP_WIDTH"]
@@ -217,6 +217,12 @@ def batch_params(params: Sequence[SamplingParams], batch: int | None = None, def
                          f32("repetition_penalty"),
                          jnp.asarray(bias_ids), jnp.asarray(bias), jnp.asarray([p.min_tokens for p in ps], jnp.int32),
                          jnp.asarray(min_stops))
+
+
+def host_batch(params: Sequence[SamplingParams], stop_ids: Sequence[Sequence[int]] | None = None) -> SamplingBatch:
+    """batch_params(params, stop_ids=stop_ids) as numpy arrays on the host (an engine's per-slot rows: a window's rows
+    are then a slice, not a device program)."""
+    return SamplingBatch(*(np.asarray(a) for a in batch_params(params, len(params), stop_ids=stop_ids)))
 
 
 def _top_p_threshold(probs: jax.Array, top_p: jax.Array) -> jax.Array:

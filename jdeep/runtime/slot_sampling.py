@@ -11,7 +11,7 @@ Programs: the sampler, `sample` or `sample_logprobs` (sampling.py) with or witho
 size; the pool's window and count programs per window size, its reset and move programs (one each: a prompt's seen
 mask is built on the host); and for prompt logprobs, per prefill program (rows, S), the step's all-positions variant
 and one program taking each row's last logits and every position's logprobs from it. `warm_sampling` compiles them
-all for Engine.warmup.
+all for Runner.warmup.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from .requests import RequestError
-from .sampling import PenaltyState, SamplingParams, sample, sample_logprobs, token_logprobs
+from .sampling import PenaltyState, SamplingParams, host_batch, sample, sample_logprobs, token_logprobs
 from .scheduler import Window
 
 __all__ = ["SlotPenalties", "sampler", "warm_sampling", "logprob_entries", "chunk_prompt_logprobs",
@@ -129,30 +129,30 @@ def chunk_prompt_logprobs(model, logits: jax.Array, positions: np.ndarray, asked
                       for j in np.flatnonzero(targets[r] >= 0)] for r, (_, _, n_top) in asked.items()}
 
 
-def warm_sampling(engine, logits: dict[int, jax.Array], prompt_logprobs: bool = True) -> int:
-    """Compile what sampling adds to an Engine's step programs (Engine.warmup), placed as in serving: per window size
+def warm_sampling(runner, logits: dict[int, jax.Array], prompt_logprobs: bool = True) -> int:
+    """Compile what sampling adds to a runner's step programs (Runner.warmup), placed as in serving: per window size
     n (logits[n]: a step's logits [n, V]) the sampler's four variants (logprobs or not, penalties or not) and the
     penalty pool's window and count programs; the pool's reset and (with more than one slot to move between) move
     programs; with prompt_logprobs, per prefill program (rows, S) its all-positions step and the prompt-logprob
     program. Returns the number of programs run. Rows carry position -1 and counts add nothing; the pool's penalty
     state is left as it was (not allocated if no penalised request came yet)."""
-    model, pen, sched = engine.model, engine._pen, engine.scheduler
+    model, pen, sched = runner.model, runner.pool.penalties, runner.scheduler
     kept, pen.state = pen.state, None
     pen.admit(0, np.zeros(1, np.int32))
     n = 1
     for rows in sched.decode_programs():
-        args = model.to_sampler((logits[rows], engine._host_batch([SamplingParams()] * rows), np.zeros(rows, np.int32)))
+        args = model.to_sampler((logits[rows], host_batch([SamplingParams()] * rows), np.zeros(rows, np.int32)))
         window = pen.window(0, rows)
         for want, p in ((False, None), (True, None), (False, window), (True, window)):
             out = sampler(want)(*args, p)
         pen.count(0, out[0], np.zeros(rows, bool))
         n += 6
-    if sched.window_mode != "pool" and engine.n_slots > 1:
+    if sched.window_mode != "pool" and runner.pool.n_slots > 1:
         pen.move(0, 0)
         n += 1
     for rows, S in sched.prefill_programs() if prompt_logprobs else ():
         pos = np.full((rows, S), -1, np.int32)
-        chunk_prompt_logprobs(model, engine._run(np.zeros((rows, S), np.int32), pos, Window(0, rows), True), pos, {})
+        chunk_prompt_logprobs(model, runner.run(np.zeros((rows, S), np.int32), pos, Window(0, rows), True), pos, {})
         n += 2
     jax.block_until_ready(pen.state)
     pen.state = kept

@@ -57,7 +57,7 @@ def as_ids(prompt) -> list[int]:
 
 def guarded(fn: Callable, *args) -> Any:
     """fn(*args), or the exception it raised: one request's host work done for a whole window, whose failure is
-    raised again (unless_failed) where that request alone is handled (Engine._deliver)."""
+    raised again (unless_failed) where that request alone is handled (OutputProcessor.deliver)."""
     try:
         return fn(*args)
     except Exception as e:      # noqa: BLE001

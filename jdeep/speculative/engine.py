@@ -5,8 +5,10 @@ tokens; prefill chunks also feed the drafter, so a request's first iteration dra
 method-specific (the drafter's per-slot state and its programs) is a drafter.Drafter: MTP (DeepSeek-V4,
 mtp_drafter.py) or DSpark (DeepSeek-V4.1, dspark_drafter.py). Everything else is the plain Engine's: requests, slots
 and their compaction, the scheduler (a decoding request counts k + 1 positions against the token budget), sampling
-rows, delivery and stop strings. The engine holds the drafter's state beside the target's (`dstate`) and moves,
-resets and reallocates both together; a prefix-cache snapshot holds both (Drafter.snapshot). The host keeps each
+rows, delivery and stop strings. Two of the engine's parts are replaced: the slot pool
+(`DraftingSlotPool`) holds the drafter's state beside the target's (`dstate`) and moves, resets and reallocates both
+together, and a prefix-cache snapshot holds both (Drafter.snapshot); the runner (`SpeculativeRunner`) runs the
+drafter's prefill and draft-verify-finish programs. The host keeps each
 request's last token, position and count, checks stop ids, max_new_tokens and stop strings, and ends a request at the
 first of them (accepted tokens past it are dropped; its slot is freed). logit_bias and min_tokens apply at every
 verified position, logprobs come from the target's logits at each emitted one (acceptance.py); penalties and prompt
@@ -19,20 +21,21 @@ import jax
 import numpy as np
 
 from ..model.model import Model
-from ..runtime.engine import Engine, RequestOutput
-from ..runtime.prefix_snapshot import prefix_cache_for, snapshot_prefills, warm_snapshots
-from ..runtime.sampling import SamplingParams
+from ..runtime.engine import Engine
+from ..runtime.prefix_snapshot import snapshot_prefills, warm_snapshots
+from ..runtime.runner import Runner, Tokens
+from ..runtime.sampling import SamplingParams, host_batch
 from ..runtime.scheduler import Iteration
+from ..runtime.slot_pool import SlotPool, window_mode_of
 from ..runtime.slot_sampling import SPECULATIVE_UNSUPPORTED, logprob_entries
 from ..runtime.slots import guarded
-from ..runtime.steps import length_bucket
 from .config import parse_speculative
 from .drafter import DecodeRows, Drafter, Emitted, PrefillChunk
 from .dspark_drafter import DSparkDrafter
 from .mtp_drafter import MtpDrafter
 from .stats import SpecStats
 
-__all__ = ["SpeculativeEngine", "make_engine", "make_drafter"]
+__all__ = ["SpeculativeEngine", "DraftingSlotPool", "SpeculativeRunner", "make_engine", "make_drafter"]
 
 DRAFTERS = {"mtp": MtpDrafter, "dspark": DSparkDrafter}
 
@@ -43,72 +46,71 @@ def make_drafter(model: Model, method: str, k: int) -> Drafter:
     return DRAFTERS[method](model, k)
 
 
-class SpeculativeEngine(Engine):
-    """Engine(model, ...) with speculative={"method": "mtp" | "dspark", "num_speculative_tokens": k} (vLLM's spelling;
-    the model loaded with mtp=True). `drafter` is the method's Drafter, `dstate` its per-slot state, `spec_stats`
-    counts drafted and accepted tokens (SpecStats)."""
+class DraftingSlotPool(SlotPool):
+    """The slot pool with the drafter's per-slot state (`dstate`) beside the target's: reset, moved, reallocated and
+    snapshotted together."""
 
-    unsupported = SPECULATIVE_UNSUPPORTED
-    images_unsupported = True   # the draft / verify steps take no image embeddings yet
+    def __init__(self, model: Model, drafter: Drafter, n_slots: int, cache_len: int,
+                 prefix_cache_bytes: int | str = 0):
+        self.drafter, self.dstate = drafter, None
+        super().__init__(model, n_slots, cache_len, prefix_cache_bytes, drafter.snapshot_lookahead)
 
-    def __init__(self, model: Model, speculative: dict, prefix_cache_bytes: int = 0, **kw):
-        method, self.k = parse_speculative(speculative)
-        self.drafter = make_drafter(model, method, self.k)
-        super().__init__(model, decode_width=self.k + 1, **kw)
-        self.spec_stats = SpecStats(self.k)
-        self.dstate = self.drafter.new_state(self.n_slots, self._cache_len())
-        self.prefix_cache = prefix_cache_for(model, prefix_cache_bytes, self._cache_len(),
-                                             self.drafter.snapshot_lookahead)
+    @property
+    def window_mode(self) -> str:
+        return self.drafter.window_mode(window_mode_of(self.model))
 
-    def _window_mode(self, model: Model) -> str:
-        return self.drafter.window_mode(super()._window_mode(model))
+    def new_state(self) -> None:
+        super().new_state()
+        self.dstate = self.drafter.new_state(self.n_slots, self.cache_len)
 
-    def _cache_len(self) -> int:
-        # a request near max_len still verifies k + 1 positions
-        return length_bucket(self.max_len + self.k + 1, 256)
-
-    def reset(self) -> None:
-        super().reset()
-        self.dstate = self.drafter.new_state(self.n_slots, self._cache_len())
-
-    def _reset_slots(self, mask: np.ndarray) -> None:
-        super()._reset_slots(mask)
+    def reset_slots(self, mask: np.ndarray) -> None:
+        super().reset_slots(mask)
         self.dstate = self.drafter.reset_slots(self.dstate, self.model.put(mask))
 
-    def _move_slot(self, src, dst) -> None:
+    def move_state(self, src, dst) -> None:
         self.state, self.dstate = self.drafter.move_slot(self.state, self.dstate, src, dst)
 
-    def snapshot_slot(self, i: int, p: int) -> tuple[object, int]:
-        """The target's snapshot (Engine.snapshot_slot) with the drafter's (Drafter.snapshot) of slot i."""
-        snap, nbytes = super().snapshot_slot(i, p)
+    def snapshot(self, i: int, p: int) -> tuple[object, int]:
+        """The target's snapshot (SlotPool.snapshot) with the drafter's (Drafter.snapshot) of slot i."""
+        snap, nbytes = super().snapshot(i, p)
         dsnap = self.drafter.snapshot(self.dstate, self.model.put(np.int32(i)))
         return (snap, dsnap), nbytes + sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(dsnap))
 
-    def restore_slot(self, i: int, snap) -> None:
-        super().restore_slot(i, snap[0])
+    def restore(self, i: int, snap) -> None:
+        super().restore(i, snap[0])
         self.dstate = self.drafter.restore(self.dstate, snap[1], self.model.put(np.int32(i)))
 
-    def _decode(self, it: Iteration) -> list[RequestOutput]:
+
+class SpeculativeRunner(Runner):
+    """The runner whose decode drafts k tokens per decoding row, verifies and finishes them (Drafter.decode) and
+    whose prefill feeds the drafter too (Drafter.prefill). spec_stats counts drafted and accepted tokens."""
+
+    def __init__(self, model: Model, pool: DraftingSlotPool, scheduler):
+        super().__init__(model, pool, scheduler)
+        self.drafter = pool.drafter
+        self.spec_stats = SpecStats(self.drafter.k)
+
+    def decode(self, it: Iteration) -> Tokens:
         if not it.decode:
-            return []
-        w = it.decode_window
+            return {}, {}
+        pool, w = self.pool, it.decode_window
         x, p, count = (np.zeros(w.rows, np.int32) for _ in range(3))
         live = np.zeros(w.rows, bool)
         for i in it.decode:
-            s, r = self.slots[i], i - w.start
-            x[r], count[r], live[r] = self._last[i], len(s.out.tokens), True
+            s, r = pool.slots[i], i - w.start
+            x[r], count[r], live[r] = pool.last[i], len(s.out.tokens), True
             p[r] = len(s.out.prompt) + len(s.out.tokens) - 1
-        self.steps_per_bucket[w.rows] = self.steps_per_bucket.get(w.rows, 0) + 1
-        sb, want = self._window_rows(w), self._wanting_logprobs(it.decode)
-        self.state, self.dstate, emitted, a = self.drafter.decode(
-            self.state, self.dstate, DecodeRows(w.rows, w.start, x, p, count, live), sb,
-            bool(np.all(sb.temperature[live] <= 0)), self.history, logprobs=bool(want))
+        self.count_step(w.rows)
+        sb, want = pool.window_rows(w), self._wanting_logprobs(it.decode)
+        pool.state, pool.dstate, emitted, a = self.drafter.decode(
+            pool.state, pool.dstate, DecodeRows(w.rows, w.start, x, p, count, live), sb,
+            bool(np.all(sb.temperature[live] <= 0)), pool.history, logprobs=bool(want))
         self.spec_stats.add(a[live])
         new = {i: [int(t) for t in emitted.tokens[i - w.start] if t >= 0] for i in it.decode}
-        return self._deliver(new, self._logprobs(emitted, want, w.start, new))
+        return new, self._logprobs(emitted, want, w.start, new)
 
     def _wanting_logprobs(self, slots) -> list[int]:
-        return [i for i in slots if self.slots[i].params.logprobs is not None]
+        return [i for i in slots if self.pool.slots[i].params.logprobs is not None]
 
     def _logprobs(self, emitted: Emitted, want: list[int], start: int, new: dict[int, list[int]]) -> dict:
         """For each slot in `want`, one logprob entry per token it is given (emitted: [rows, k+1] or, for first tokens,
@@ -116,59 +118,89 @@ class SpeculativeEngine(Engine):
         def entry(i, j):
             r = (i - start,) if emitted.tokens.ndim == 1 else (i - start, j)
             return guarded(logprob_entries, new[i][j], emitted.logprob[r], emitted.top_ids[r], emitted.top_vals[r],
-                           self.slots[i].params.logprobs)
+                           self.pool.slots[i].params.logprobs)
         return {i: [entry(i, j) for j in range(len(new[i]))] for i in want}
 
-    def _prefill(self, it: Iteration) -> list[RequestOutput]:
+    def prefill(self, it: Iteration) -> Tokens:
         if not it.prefill:
-            return []
-        w = it.prefill_window
-        done = {i: self.slots[i].prefilled for i in it.prefill}
-        toks, pos, ended = self._take_chunk(it)
+            return {}, {}
+        pool, w = self.pool, it.prefill_window
+        done = {i: pool.slots[i].prefilled for i in it.prefill}
+        toks, pos, ended = pool.take_chunk(it)
         nxt = np.full_like(toks, -1)
         ends = np.zeros(w.rows, bool)
         for i, n in it.prefill.items():
-            following = self.slots[i].request.ids[done[i] + 1:done[i] + n + 1]    # (one short where the prompt ends)
+            following = pool.slots[i].request.ids[done[i] + 1:done[i] + n + 1]    # (one short where the prompt ends)
             nxt[i - w.start, :len(following)] = following
         ends[[i - w.start for i in ended]] = True
-        self.steps_per_bucket[w.rows] = self.steps_per_bucket.get(w.rows, 0) + 1
-        sb, want = self._window_rows(w), self._wanting_logprobs(ended)
+        self.count_step(w.rows)
+        sb, want = pool.window_rows(w), self._wanting_logprobs(ended)
         greedy = bool(np.all(sb.temperature[[i - w.start for i in it.prefill]] <= 0))
-        self.state, self.dstate, first = self.drafter.prefill(
-            self.state, self.dstate, PrefillChunk(w.rows, w.start, toks, pos, nxt, ends), sb, greedy, self.history,
+        pool.state, pool.dstate, first = self.drafter.prefill(
+            pool.state, pool.dstate, PrefillChunk(w.rows, w.start, toks, pos, nxt, ends), sb, greedy, pool.history,
             logprobs=bool(want))
-        snapshot_prefills(self, it.prefill)
+        snapshot_prefills(pool, it.prefill)
         new = {i: [int(first.tokens[i - w.start])] for i in ended}
-        return self._deliver(new, self._logprobs(first, want, w.start, new))
+        return new, self._logprobs(first, want, w.start, new)
 
-    def warmup(self) -> int:
+    def warmup(self, max_len: int, prompt_logprobs: bool = True) -> int:
         """Compile the decode iteration of every window size and the prefill program of every (window size, chunk),
-        each in its greedy and sampled variant, and the slot move, on rows at position -1 (no state, drafter state
-        or Engram history changes). Returns the number of programs run (Drafter.programs_per_decode per iteration)."""
-        counts = dict(self.steps_per_bucket)
-        self._reset_slots(np.zeros(self.n_slots, bool))
+        each in its greedy and sampled variant, the slot move, and with a prefix cache its snapshot programs, on rows
+        at position -1 (no state, drafter state or Engram history changes). Returns the number of programs run
+        (Drafter.programs_per_decode per iteration). prompt_logprobs: unused (speculation refuses them)."""
+        counts, pool = dict(self.steps_per_bucket), self.pool
+        pool.reset_slots(np.zeros(pool.n_slots, bool))
         n_run = 0
         for n in self.scheduler.decode_programs():
-            sb = self._host_batch([SamplingParams()] * n)
+            sb = host_batch([SamplingParams()] * n)
             for greedy in (True, False):
-                self.state, self.dstate, _, _ = self.drafter.decode(self.state, self.dstate, DecodeRows.idle(n), sb,
-                                                                    greedy, self.history)
+                pool.state, pool.dstate, _, _ = self.drafter.decode(pool.state, pool.dstate, DecodeRows.idle(n), sb,
+                                                                    greedy, pool.history)
                 n_run += self.drafter.programs_per_decode
         for n, S in self.scheduler.prefill_programs():
-            sb = self._host_batch([SamplingParams()] * n)
+            sb = host_batch([SamplingParams()] * n)
             for greedy in (True, False):
-                history = None if self.history is None else self.history.copy()
-                self.state, self.dstate, _ = self.drafter.prefill(self.state, self.dstate, PrefillChunk.idle(n, S),
+                history = None if pool.history is None else pool.history.copy()
+                pool.state, pool.dstate, _ = self.drafter.prefill(pool.state, pool.dstate, PrefillChunk.idle(n, S),
                                                                   sb, greedy, history)
                 n_run += 1
-        if self.scheduler.window_mode != "pool" and self.n_slots > 1:
+        if self.scheduler.window_mode != "pool" and pool.n_slots > 1:
             zero = self.model.put(np.int32(0))
-            self._move_slot(zero, zero)
+            pool.move_state(zero, zero)
             n_run += 1
-        n_run += warm_snapshots(self)        # (with a prefix cache: its copy-out and copy-in programs)
-        jax.block_until_ready((self.state, self.dstate))
+        n_run += warm_snapshots(pool, max_len)        # (with a prefix cache: its copy-out and copy-in programs)
+        jax.block_until_ready((pool.state, pool.dstate))
         self.steps_per_bucket = counts
         return n_run
+
+
+class SpeculativeEngine(Engine):
+    """Engine(model, ...) with speculative={"method": "mtp" | "dspark", "num_speculative_tokens": k} (vLLM's spelling;
+    the model loaded with drafter=True). `drafter` is the method's Drafter, `dstate` its per-slot state, `spec_stats`
+    counts drafted and accepted tokens (SpecStats)."""
+
+    unsupported = SPECULATIVE_UNSUPPORTED
+    images_unsupported = True   # the draft / verify steps take no image embeddings yet
+
+    def __init__(self, model: Model, speculative: dict, **kw):
+        method, self.k = parse_speculative(speculative)
+        self.drafter = make_drafter(model, method, self.k)
+        super().__init__(model, decode_width=self.k + 1, **kw)
+
+    def make_pool(self, cache_len: int, prefix_cache_bytes: int | str) -> DraftingSlotPool:
+        return DraftingSlotPool(self.model, self.drafter, self.n_slots, cache_len, prefix_cache_bytes)
+
+    def make_runner(self) -> SpeculativeRunner:
+        return SpeculativeRunner(self.model, self.pool, self.scheduler)
+
+    @property
+    def dstate(self):
+        """The drafter's per-slot state (the pool's)."""
+        return self.pool.dstate
+
+    @property
+    def spec_stats(self) -> SpecStats:
+        return self.runner.spec_stats
 
 
 def make_engine(model: Model, speculative: dict | None = None, **kw) -> Engine:

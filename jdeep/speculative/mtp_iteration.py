@@ -47,7 +47,7 @@ _DRAFT_TAG, _ACCEPT_TAG = 1, 1000
 def mtp_params(params: dict) -> dict:
     """The parameters the MTP block reads (its own, the embedding and the shared head): what the regions mode's draft,
     finish and prefill_tail programs take instead of the whole tree (fewer program arguments)."""
-    return {k: params[k] for k in ("mtp", "embed", "head")}
+    return {k: params[k] for k in ("drafter", "embed", "head")}
 
 
 class Carry(NamedTuple):

@@ -41,13 +41,13 @@ def test_plan_and_tree(model):
     kind = plan.mtp.pattern[0]
     assert kind.attn.ratio == 0 and not kind.hash_moe
     for key, (shape, _) in leaf_plan(config, plan).items():
-        if key[0] == "mtp":
-            leaf = model.params["mtp"]
+        if key[0] == "drafter":
+            leaf = model.params["drafter"]
             for k in key[1:]:
                 leaf = leaf[k]
             assert leaf.shape == shape, key
-    assert model.params["mtp"]["e_proj"].shape == (1, config.dim, config.dim)
-    assert "bias" in model.params["mtp"]["ffn"]["gate"] and "tid2eid" not in model.params["mtp"]["ffn"]["gate"]
+    assert model.params["drafter"]["e_proj"].shape == (1, config.dim, config.dim)
+    assert "bias" in model.params["drafter"]["ffn"]["gate"] and "tid2eid" not in model.params["drafter"]["ffn"]["gate"]
 
 
 def test_models_without_mtp_blocks_say_so_and_v41_plans_its_dspark_stages():
@@ -59,10 +59,10 @@ def test_models_without_mtp_blocks_say_so_and_v41_plans_its_dspark_stages():
 def test_golden_checkpoint_loads_its_mtp_block_and_the_backbone_is_unchanged():
     folder = golden_path("v4-tiny-q")
     with_mtp, without = jdeep.load(folder, mtp=True, weights="codes"), jdeep.load(folder, weights="codes")
-    e_proj = with_mtp.params["mtp"]["e_proj"]
+    e_proj = with_mtp.params["drafter"]["e_proj"]
     assert e_proj["codes"].dtype == np.uint8 and e_proj["scale"].dtype == np.uint8
-    assert with_mtp.params["mtp"]["ffn"]["w1"]["packed"].dtype == np.uint8          # fp4 routed experts
-    assert "mtp" not in without.params
+    assert with_mtp.params["drafter"]["ffn"]["w1"]["packed"].dtype == np.uint8          # fp4 routed experts
+    assert "drafter" not in without.params
     prompt = [0, 5, 9, 17, 33, 65, 12, 7]
     np.testing.assert_array_equal(jdeep.forward(with_mtp, prompt), jdeep.forward(without, prompt))
 
@@ -78,13 +78,13 @@ def test_mtp_step_matches_numpy_wiring(model):
     hidden = rng.normal(size=(B, S, n, d)).astype(np.float32)
     next_tokens = rng.integers(0, config.vocab_size, (B, S)).astype(np.int32)
     positions = np.tile(np.arange(S, dtype=np.int32), (B, 1))
-    f64 = {k: np.asarray(v, np.float64) for k, v in model.params["mtp"].items() if not isinstance(v, dict)}
+    f64 = {k: np.asarray(v, np.float64) for k, v in model.params["drafter"].items() if not isinstance(v, dict)}
     p = {k: v[0] for k, v in f64.items()}
     embed, head = np.asarray(model.params["embed"], np.float64), np.asarray(model.params["head"], np.float64)
 
     e = _rms(embed[next_tokens], p["enorm"], eps)
     x_in = (e @ p["e_proj"].T)[:, :, None, :] + _rms(hidden.astype(np.float64), p["hnorm"], eps) @ p["h_proj"].T
-    per_layer, experts = split_experts(model.params["mtp"])
+    per_layer, experts = split_experts(model.params["drafter"])
     kind = plan.mtp.pattern[0]
     streams, _, _ = block(_first(per_layer), experts,
                           empty_mtp_state(config, plan, B, S, jnp.float32), {}, jnp.int32(0), None,

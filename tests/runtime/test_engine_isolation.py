@@ -12,6 +12,9 @@ import jdeep
 from jdeep import SamplingParams
 from jdeep.presets import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
+from jdeep.runtime.output_processor import OutputProcessor
+from jdeep.runtime.runner import Runner
+from jdeep.runtime.slot_pool import SlotPool
 from jdeep.runtime.requests import Request
 from jdeep.tools.random_weights import random_checkpoint, write_word_tokenizer
 
@@ -50,20 +53,20 @@ def _clean(model) -> dict:
 def test_host_failures_of_one_request_leave_the_others_exact(model, monkeypatch):
     clean = _clean(model)
     assert all(o.finish_reason in ("stop", "length") and o.tokens for o in clean.values())
-    push, row = Engine._push_token, Engine._sampling_row
+    push, place = OutputProcessor.push_token, SlotPool.place
 
     def failing_push(self, s, t):
         if s.out.request_id == "bad-detok" and len(s.out.tokens) >= 2:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
         return push(self, s, t)
 
-    def failing_row(self, s):
+    def failing_place(self, i, s):
         if s.out.request_id == "bad-row":
             raise RuntimeError("injected sampling-row failure")
-        return row(self, s)
+        return place(self, i, s)
 
-    monkeypatch.setattr(Engine, "_push_token", failing_push)
-    monkeypatch.setattr(Engine, "_sampling_row", failing_row)
+    monkeypatch.setattr(OutputProcessor, "push_token", failing_push)
+    monkeypatch.setattr(SlotPool, "place", failing_place)
     eng = Engine(model, **ENGINE)
     good = list(_good_requests().items())
     # the defect of issue 20: a seed no PRNG key holds, in a Request that skipped validation
@@ -101,7 +104,7 @@ def test_host_failures_of_one_request_leave_the_others_exact(model, monkeypatch)
 def test_a_failed_step_then_reset_serves_the_next_requests_exactly(model, monkeypatch):
     clean = _clean(model)
     eng = Engine(model, **ENGINE)
-    run, calls = Engine._run, []
+    run, calls = Runner.run, []
 
     def failing_run(self, toks, pos, rows, **kw):
         calls.append(1)
@@ -109,7 +112,7 @@ def test_a_failed_step_then_reset_serves_the_next_requests_exactly(model, monkey
             raise RuntimeError("device lost")
         return run(self, toks, pos, rows, **kw)
 
-    monkeypatch.setattr(Engine, "_run", failing_run)
+    monkeypatch.setattr(Runner, "run", failing_run)
     eng.add_request([0, 5, 9], SamplingParams(temperature=0.8, seed=2 ** 62, max_new_tokens=20), request_id="x")
     with pytest.raises(RuntimeError, match="device lost"):
         eng.run()

@@ -176,8 +176,8 @@ def served(model, generated):
     compiles, recording = [], [True]
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(event) if recording[0] and event == BACKEND_COMPILE_EVENT else None)
-    moves, move = [], eng._pen.move
-    eng._pen.move = lambda src, dst: (moves.append((src, dst)), move(src, dst))
+    moves, move = [], eng.pool.penalties.move
+    eng.pool.penalties.move = lambda src, dst: (moves.append((src, dst)), move(src, dst))
     reqs = [PLAIN[0], FEATURES[0][:2], PLAIN[1]] + [f[:2] for f in FEATURES[1:]]
     ids = [eng.add_request(pr, p) for pr, p in reqs]
     outs = eng.run()

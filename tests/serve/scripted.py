@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from jdeep.runtime.engine import Engine
+from jdeep.runtime.output_processor import OutputProcessor
 
 __all__ = ["ScriptedEngine", "continuation"]
 
@@ -19,12 +20,24 @@ class ScriptedEngine(Engine):
 
     def __init__(self, *args, script: Callable[[list[int]], Sequence[int] | None], **kwargs):
         super().__init__(*args, **kwargs)
+        self.output = ScriptedOutput(self.output.tokenizer, script)
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.output.prompts
+
+
+class ScriptedOutput(OutputProcessor):
+    """The output processor that swaps a scripted request's tokens for its script's reply before delivering them."""
+
+    def __init__(self, tokenizer, script: Callable[[list[int]], Sequence[int] | None]):
+        super().__init__(tokenizer)
         self.script = script
         self.prompts: list[list[int]] = []
 
-    def _deliver(self, new, logprobs=None):
+    def deliver(self, pool, new, logprobs=None):
         for i, tokens in list(new.items()):
-            s = self.slots[i]
+            s = pool.slots[i]
             reply = self.script(s.out.prompt)
             if reply is None:
                 continue
@@ -32,7 +45,7 @@ class ScriptedEngine(Engine):
             if k == 0:
                 self.prompts.append(list(s.out.prompt))
             new[i] = list(reply[k:k + len(tokens)])
-        return super()._deliver(new, logprobs)
+        return super().deliver(pool, new, logprobs)
 
 
 def continuation(prompt_text: str, reply: str) -> str:

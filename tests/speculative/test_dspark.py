@@ -58,7 +58,7 @@ def _traces(model, ref, forced: bool) -> list[dict]:
 
 
 def test_loads_the_three_stages_as_quantized_leaves(float_model, folder):
-    config, mtp = float_model.config, float_model.params["mtp"]
+    config, mtp = float_model.config, float_model.params["drafter"]
     stages, E = config.dspark.n_layers, config.dspark.n_routed_experts
     assert float_model.plan.dspark.reps == stages == 3 and float_model.plan.mtp is None
     attn = mtp["stages"]["attn"]
@@ -70,8 +70,8 @@ def test_loads_the_three_stages_as_quantized_leaves(float_model, folder):
     assert mtp["output"]["markov_head"].shape == (config.dspark.markov_rank, config.vocab_size)   # input-major
     assert mtp["output"]["confidence"].dtype == np.float32
     plain = jdeep.load(folder, quantize_activations=False)
-    assert "mtp" not in plain.params and plain.plan.dspark is None and plain.plan.segments == float_model.plan.segments
-    backbone = {k: v for k, v in float_model.params.items() if k != "mtp"}
+    assert "drafter" not in plain.params and plain.plan.dspark is None and plain.plan.segments == float_model.plan.segments
+    backbone = {k: v for k, v in float_model.params.items() if k != "drafter"}
     assert jax.tree_util.tree_structure(backbone) == jax.tree_util.tree_structure(plain.params)
     for a, b in zip(jax.tree_util.tree_leaves(backbone), jax.tree_util.tree_leaves(plain.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
