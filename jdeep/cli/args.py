@@ -133,6 +133,15 @@ def add_graph_args(p: argparse.ArgumentParser) -> None:
                                                                   "(default: arenas, as jdeep runs on Neuron)")
     p.add_argument("--platform", choices=["neuron", "cpu", "gpu"], default="neuron",
                    help="the platform the programs are for: its kernel choices (default neuron)")
+    inv = p.add_argument_group("a deployment's programs", "with --max-num-seqs: exactly the programs `jdeep serve` "
+                               "with these settings compiles in warm-up, under their inventory names "
+                               "(Engine.programs; --max-len is then the longest request, as serve's), instead of "
+                               "the --batch-sizes x --prefill-len grid")
+    inv.add_argument("--max-num-seqs", type=int, help="engine slots")
+    inv.add_argument("--prefill-chunk", type=int, default=256, help="longest prefill chunk (default 256)")
+    inv.add_argument("--max-num-batched-tokens", type=int, help="token positions one iteration may compute")
+    inv.add_argument("--prefix-cache-bytes", type=lambda t: "auto" if t.strip() == "auto" else parse_bytes(t),
+                     default="auto", help="0: no prefix cache (its snapshot programs left out; default auto: on)")
 
 
 def env_int(name: str) -> int | None:

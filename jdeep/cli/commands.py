@@ -35,7 +35,8 @@ from ..tools.graphcheck import Limits, check_lowered
 from ..tools.info import device_footprint, mesh_summary, summary
 from ..tools.mixed_load import run_mixed
 from ..tools.mtp_eval import format_mtp_table, mtp_accuracy
-from ..tools.programs import Target, chunk_buckets, model_programs
+from ..runtime.inventory import plan_inventory
+from ..tools.programs import Target, chunk_buckets, inventory_programs, model_programs
 from ..tools.random_weights import random_checkpoint
 from ..tools.spec_bench import run_speculative
 from ..tools.spec_programs import speculative_programs
@@ -356,18 +357,32 @@ def _graph_target(args: argparse.Namespace) -> Target:
     return dataclasses.replace(target, numerics=target.numerics.portable())
 
 
+def _deployment_programs(args: argparse.Namespace, target: Target) -> list:
+    """With --max-num-seqs: the plain engine's inventory for the serve settings (runtime/inventory.plan_inventory),
+    lowered under its names (tools/programs.inventory_programs)."""
+    if args.speculative_tokens is not None:
+        raise SystemExit("jdeep: --max-num-seqs lists the plain engine's programs; the speculative engine's are "
+                         "not listed from a config yet (leave out --max-num-seqs for the --batch-sizes grid)")
+    specs, n_slots, state_len = plan_inventory(target.config, args.max_num_seqs, args.max_len, args.prefill_chunk,
+                                               args.max_num_batched_tokens, prefix_cache=args.prefix_cache_bytes != 0)
+    return inventory_programs(target, specs, n_slots, state_len)
+
+
 def cmd_check_graph(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     target = _graph_target(args)
     limits = Limits(max_args=args.max_args)
     failed = 0
-    programs = model_programs(target, batch_sizes(args.batch_sizes), chunk_buckets(args.prefill_len), args.max_len,
-                              max_prefill_tokens=args.max_prefill_tokens)
-    if args.speculative_tokens is not None:
-        programs += speculative_programs(target, batch_sizes(args.batch_sizes), args.speculative_tokens,
-                                         chunk_buckets(args.prefill_len), args.max_len)
-    programs += vision_programs(target, batch_sizes(args.batch_sizes), chunk_buckets(args.prefill_len), args.max_len,
-                                args.max_prefill_tokens)
+    if args.max_num_seqs is not None:
+        programs = _deployment_programs(args, target)
+    else:
+        programs = model_programs(target, batch_sizes(args.batch_sizes), chunk_buckets(args.prefill_len),
+                                  args.max_len, max_prefill_tokens=args.max_prefill_tokens)
+        if args.speculative_tokens is not None:
+            programs += speculative_programs(target, batch_sizes(args.batch_sizes), args.speculative_tokens,
+                                             chunk_buckets(args.prefill_len), args.max_len)
+        programs += vision_programs(target, batch_sizes(args.batch_sizes), chunk_buckets(args.prefill_len),
+                                    args.max_len, args.max_prefill_tokens)
     for prog in programs:
         report = check_lowered(prog.lower(), name=prog.name, n_experts=target.config.n_routed_experts,
                                decode=prog.bucket["step"] == "decode", limits=limits)
@@ -383,6 +398,10 @@ def cmd_check_graph(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     target = _graph_target(args)
+    if args.max_num_seqs is not None:
+        manifest = export_programs(_deployment_programs(args, target), args.out, model_info(target))
+        print(f"wrote {len(manifest['programs'])} programs and manifest.json to {args.out}")
+        return 0
     programs = model_programs(target, batch_sizes(args.batch_sizes), args.prefill_len, args.max_len)
     if args.speculative_tokens is not None:
         programs += speculative_programs(target, batch_sizes(args.batch_sizes), args.speculative_tokens,

@@ -147,7 +147,7 @@ def fp8_linear(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple[in
 
 
 # ---------------------------------------------------------------- MoE: routed experts, shared expert
-def _act(x: jax.Array, numerics, quantized: bool) -> jax.Array:
+def moe_input(x: jax.Array, numerics, quantized: bool) -> jax.Array:
     """The GEMM input as DeepSeek's numerics see it: fp8 act_quant before a quantized weight."""
     return gemm_input(x, numerics) if quantized else x
 
@@ -312,7 +312,7 @@ def moe_experts_gather(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, 
     """
     T, k = idx.shape
     q = isinstance(w1, dict)
-    rows = jnp.repeat(_act(x, numerics, q), k, axis=0)                  # [T*k, d]
+    rows = jnp.repeat(moe_input(x, numerics, q), k, axis=0)                  # [T*k, d]
     experts, wts = idx.reshape(-1), weight.reshape(-1)
     n = T * k + (T * k == stacked_experts(w1))      # a trip of exactly E would read as a loop over experts (S5)
     if n > T * k:                                   # so one padding pair: weight 0 on a zero row, expert 0
@@ -324,7 +324,7 @@ def moe_experts_gather(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, 
             return _expert(a, layer, experts[i])
 
         W1, W3, W2 = (_weights(w, pick, numerics, x.dtype) for w in (w1, w3, w2))   # [I, d], [I, d], [d, I]
-        a = _act(expert_gate_up(rows[i][None], W1, W3, limit, wts[i]).astype(x.dtype), numerics, q)
+        a = moe_input(expert_gate_up(rows[i][None], W1, W3, limit, wts[i]).astype(x.dtype), numerics, q)
         return None, expert_down(a, W2)[0]
 
     _, y = jax.lax.scan(pair, None, jnp.arange(n))                     # [n, d] fp32
@@ -352,7 +352,7 @@ def _through_groups(g: ExpertGroups, x: jax.Array, weight: jax.Array, w1, w2, w3
     per token (fp32 [T, d])."""
     T, k = weight.shape
     q = isinstance(w1, dict)
-    rows, wts = group_rows(_act(x, numerics, q), weight, g)
+    rows, wts = group_rows(moe_input(x, numerics, q), weight, g)
     y = _grouped_tiles(rows, wts, g, x.dtype, w1, w2, w3, layer, limit, numerics, q)
     return ungroup_rows(y, g, T, k)
 
@@ -366,7 +366,7 @@ def _grouped_tiles(rows: jax.Array, wts: jax.Array, g: ExpertGroups, x_dtype, w1
 
     def one_tile(xt, wt, e):
         W1, W3, W2 = _expert_matrices((w1, w3, w2), layer, e, numerics, x_dtype, xt)   # [I, d], [I, d], [d, I]
-        a = _act(expert_gate_up(xt, W1, W3, limit, wt[:, None]).astype(x_dtype), numerics, q)
+        a = moe_input(expert_gate_up(xt, W1, W3, limit, wt[:, None]).astype(x_dtype), numerics, q)
         return expert_down(a, W2)
 
     if _used_only(numerics):
@@ -414,11 +414,11 @@ def moe_experts_dense(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w
     """
     E = stacked_experts(w1)
     q = isinstance(w1, dict)
-    xa = _act(x, numerics, q)
+    xa = moe_input(x, numerics, q)
 
     def one_expert(acc, e):
         W1, W3, W2 = _expert_matrices((w1, w3, w2), layer, e, numerics, x.dtype, xa)   # [I, d], [I, d], [d, I]
-        a = _act(expert_gate_up(xa, W1, W3, limit, dense_weight(idx, weight, e)[:, None]).astype(x.dtype),
+        a = moe_input(expert_gate_up(xa, W1, W3, limit, dense_weight(idx, weight, e)[:, None]).astype(x.dtype),
                  numerics, q)
         return acc + expert_down(a, W2), None
 
@@ -429,9 +429,9 @@ def moe_experts_dense(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w
 @register("shared_expert")
 def shared_expert(x: jax.Array, w1, w2, w3, limit: float, numerics=None) -> jax.Array:
     """The always-on SwiGLU expert: x [..., d] -> fp32 [..., d] (float or quantized weights)."""
-    xa = _act(x, numerics, isinstance(w1, dict))
+    xa = moe_input(x, numerics, isinstance(w1, dict))
     W1, W3, W2 = (in_place(w, (), xa, numerics, x.dtype) or _weights(w, lambda a: a, numerics, x.dtype)
                   for w in (w1, w3, w2))
     a = expert_gate_up(xa, W1, W3, limit).astype(x.dtype)
-    a = _act(a, numerics, isinstance(w2, dict))
+    a = moe_input(a, numerics, isinstance(w2, dict))
     return expert_down(a, W2)

@@ -23,6 +23,11 @@ class ProgramCache:
             program = self._programs[key] = make()
         return program
 
+    def keyed(self, name: str, spec: Hashable, make: Callable[[], Callable], **options) -> Callable:
+        """The program `name` of a model spec (model/spec.ModelSpec: what its programs depend on) with static
+        `options`, built by make() on first use: every program of a model is keyed this one way."""
+        return self.get((name, spec, tuple(sorted(options.items()))), make)
+
     def jit(self, fn: Callable, **jit_kwargs) -> Callable:
         """jax.jit(fn, **jit_kwargs), one per (fn, options): the small host-driven programs (sampling, state resets)."""
         key = ("jit", fn, tuple(sorted(jit_kwargs.items())))

@@ -18,6 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ..arenas import is_packed
+from .spec import ModelSpec
 from ..config import ModelConfig
 from ..numerics import Numerics
 from ..plan import LayerPlan
@@ -104,6 +105,11 @@ class Model:
     sampler_device: Any = None   # where sampling runs (None: with the model; on Neuron the CPU backend)
     layout: Any = None           # jdeep.sharding.Layout of a model sharded over a device mesh
     vision: Any = None           # jdeep.model.vision.VisionTower of a V4.1 checkpoint with a vision tower
+
+    @property
+    def spec(self) -> ModelSpec:
+        """What this model's compiled programs depend on besides the weights (model/spec.py): their cache key."""
+        return ModelSpec.of(self)
 
     def __post_init__(self):
         if self.compile_mode not in COMPILE_MODES:

@@ -42,6 +42,7 @@ from typing import Callable, Mapping, Sequence
 
 from ..model.model import Model
 from .images import ImagePrompt, split_images
+from .inventory import ProgramSpec
 from .output_processor import OutputProcessor, fail
 from .prefix_cache import PrefixStats
 from .request_table import RequestTable
@@ -227,9 +228,14 @@ class Engine:
         return self.scheduler.schedule(self.pool.remaining_prompts(),
                                        [s.order if s is not None else 0 for s in self.slots])
 
+    def programs(self, prompt_logprobs: bool = True) -> list[ProgramSpec]:
+        """Every program this engine runs for its settings, as data (Runner.programs, inventory.py): what warmup
+        compiles. prompt_logprobs=False leaves out the programs only prompt logprobs need."""
+        return self.runner.programs(self.max_len, prompt_logprobs)
+
     def warmup(self, prompt_logprobs: bool = True) -> int:
-        """Compile every program serving can reach before the first request (Runner.warmup); returns how many ran.
-        prompt_logprobs=False leaves out the all-positions prefill steps that only prompt logprobs need."""
+        """Compile every program of `programs` before the first request (Runner.warmup); returns how many ran.
+        prompt_logprobs=False leaves out the programs that only prompt logprobs need."""
         return self.runner.warmup(self.max_len, prompt_logprobs)
 
     def run(self, on_finish: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:

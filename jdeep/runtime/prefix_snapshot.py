@@ -11,7 +11,7 @@
 
 Programs: a snapshot of p tokens keeps its pools' first L // m entries, L = the smallest power of two >= max(p,
 block) (steps.length_bucket), so there is one copy-out and one copy-in program per L up to the state's length,
-compiled by `warm_snapshots`. Snapshots stay on the device, as program outputs placed like the state; their bytes
+listed by `snapshot_sizes` in the engine's inventory (inventory.py) and compiled by its warm-up. Snapshots stay on the device, as program outputs placed like the state; their bytes
 count against the budget.
 
 Exactness: the restored slot holds exactly the state the earlier request had after the prefix (state.py), so the
@@ -44,7 +44,7 @@ from .prefix_cache import DEFAULT_BLOCK, PrefixCache, PrefixPlan
 from .steps import length_bucket
 
 __all__ = ["AUTO", "auto_budget", "prefix_cache_for", "admit_cached", "cut_at_targets", "snapshot_prefills", "take_snapshot",
-           "restore_snapshot", "replay_history", "warm_snapshots"]
+           "restore_snapshot", "replay_history", "snapshot_sizes", "prefix_block"]
 
 
 AUTO = "auto"
@@ -75,8 +75,12 @@ def prefix_cache_for(model, budget_bytes: int | str, max_len: int, lookahead: in
     if model.layout is not None:
         raise ValueError("prefix caching does not support a model on a device mesh yet (its snapshots would have to "
                          "follow the state's sharding): use prefix_cache_bytes=0")
-    ratios = [k.ratio for k in model.config.attention_kinds if k.ratio > 0]
-    return PrefixCache(budget_bytes, max_len, block=math.lcm(DEFAULT_BLOCK, *ratios), lookahead=lookahead)
+    return PrefixCache(budget_bytes, max_len, block=prefix_block(model.config), lookahead=lookahead)
+
+
+def prefix_block(config) -> int:
+    """The cache's block (tokens): DEFAULT_BLOCK, or a multiple of a larger compress ratio."""
+    return math.lcm(DEFAULT_BLOCK, *[k.ratio for k in config.attention_kinds if k.ratio > 0])
 
 
 def take_snapshot(cache: PrefixCache, state: dict, slot: jax.Array, p: int) -> tuple[dict, int]:
@@ -166,15 +170,13 @@ def snapshot_prefills(pool, slots) -> None:
             cache.insert(s.request.ids, plan.chain, p, snap, nbytes)
 
 
-def warm_snapshots(pool, max_len: int) -> int:
-    """Run the copy-out and copy-in program of every snapshot size a prompt of up to max_len - 1 tokens can take, on
-    slot 0 (onto itself: the state is unchanged); returns the number of programs run."""
-    cache, n = pool.prefix_cache, 0
-    if cache is None or max_len - 1 < cache.block:      # (no prefix that short can be cached)
-        return 0
-    size, largest = cache.block, length_bucket(max_len - 1, cache.block)
+def snapshot_sizes(block: int | None, max_len: int) -> list[int]:
+    """The prefix buckets L (tokens) whose copy-out and copy-in programs a prompt of up to max_len - 1 tokens can
+    run with a cache of `block`-token blocks: block, 2 * block, ... (none without a cache: block None)."""
+    if block is None or max_len - 1 < block:      # (no prefix that short can be cached)
+        return []
+    sizes, size, largest = [], block, length_bucket(max_len - 1, block)
     while size <= largest:
-        snap, _ = pool.snapshot(0, size)
-        pool.restore(0, snap)
-        size, n = size * 2, n + 2
-    return n
+        sizes.append(size)
+        size *= 2
+    return sizes

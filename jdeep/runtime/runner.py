@@ -5,8 +5,8 @@ token) and `prefill(it)` the prefill program over its prefill window ([rows, S]:
 taken from the pool); each samples the next token of the slots that need one and returns them with their logprob
 entries, for the output processor to deliver. Rows a program does not serve carry position -1 and write nothing.
 Prompt logprobs come from the prefill step's all-positions variant (slot_sampling.chunk_prompt_logprobs); penalised
-requests' token counts advance on the device (slot_sampling.SlotPenalties). `warmup` runs every program the runner
-can reach (warmup.py). A speculative engine's runner (speculative/engine.SpeculativeRunner) replaces decode, prefill
+requests' token counts advance on the device (slot_sampling.SlotPenalties). `programs` lists every program the runner and its pool
+run (inventory.py) and `warmup` runs each once (warmup.py). A speculative engine's runner (speculative/engine.SpeculativeRunner) replaces decode, prefill
 and warmup with its drafter's programs.
 """
 
@@ -16,13 +16,14 @@ import jax
 import numpy as np
 
 from ..model.model import Model
-from .prefix_snapshot import snapshot_prefills
+from .inventory import ProgramSpec, serving_programs
+from .prefix_snapshot import snapshot_prefills, snapshot_sizes
 from .scheduler import Iteration, Scheduler, Window
 from .slot_pool import SlotPool
 from .slot_sampling import chunk_prompt_logprobs, logprob_entries, sampler
 from .slots import guarded
 from .steps import run_step
-from .warmup import warm_programs
+from .warmup import WarmContext, warm_plain, warm_programs
 
 __all__ = ["Runner", "Tokens"]
 
@@ -105,7 +106,17 @@ class Runner:
                 pool.slots[w.start + r].out.prompt_logprobs += e
         return self.sample(logits, w, ended)
 
+    def programs(self, max_len: int, prompt_logprobs: bool = True) -> list[ProgramSpec]:
+        """Every program this runner and its pool run for prompts up to max_len tokens, in warm-up order
+        (inventory.serving_programs); prompt_logprobs=False leaves out the all-positions prefill steps and the
+        prompt-logprob programs only prompt logprobs need."""
+        return serving_programs(self.scheduler, self.pool.n_slots, snapshot_sizes(self.pool.snapshot_block, max_len),
+                                prompt_logprobs)
+
+    def warm(self, spec: ProgramSpec, ctx: WarmContext) -> None:
+        """Run one entry of `programs` on idle rows (warmup.py)."""
+        warm_plain(self, spec, ctx)
+
     def warmup(self, max_len: int, prompt_logprobs: bool = True) -> int:
-        """Run every program this runner can reach once (warmup.py) for prompts up to max_len tokens; returns how
-        many. prompt_logprobs=False leaves out the all-positions prefill steps only prompt logprobs need."""
-        return warm_programs(self, max_len, prompt_logprobs)
+        """Run every entry of `programs` once; returns the number of compiled programs they hold."""
+        return warm_programs(self, self.programs(max_len, prompt_logprobs))

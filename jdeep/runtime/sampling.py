@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingParams", "SamplingBatch", "PenaltyState", "sample", "sample_logprobs", "batch_params", "host_batch",
+__all__ = ["SamplingParams", "SamplingBatch", "PenaltyState", "sample", "sample_logprobs", "batch_params", "host_batch", "abstract_batch",
            "TOP_K_MAX", "TOP_P_ITERS", "INT32_MAX", "SEED_MAX", "FLOAT32_MAX", "MAX_STOP_TOKEN_IDS", "MAX_STOP_STRINGS",
            "MAX_STOP_CHARS", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "TOP_LOGPROBS_WIDTH", "MAX_PENALTY",
            "MIN_STOP_WIDTH"]
@@ -223,6 +223,14 @@ def host_batch(params: Sequence[SamplingParams], stop_ids: Sequence[Sequence[int
     """batch_params(params, stop_ids=stop_ids) as numpy arrays on the host (an engine's per-slot rows: a window's rows
     are then a slice, not a device program)."""
     return SamplingBatch(*(np.asarray(a) for a in batch_params(params, len(params), stop_ids=stop_ids)))
+
+
+def abstract_batch(B: int) -> SamplingBatch:
+    """The SamplingBatch of B rows as jax.ShapeDtypeStruct leaves (for lowering programs without values)."""
+    f, i = jax.ShapeDtypeStruct((B,), jnp.float32), jax.ShapeDtypeStruct((B,), jnp.int32)
+    bias_ids, bias = (jax.ShapeDtypeStruct((B, MAX_LOGIT_BIAS), dt) for dt in (jnp.int32, jnp.float32))
+    return SamplingBatch(f, i, f, f, jax.ShapeDtypeStruct((B, 2), jnp.uint32), f, f, f, bias_ids, bias, i,
+                         jax.ShapeDtypeStruct((B, MIN_STOP_WIDTH), jnp.int32))
 
 
 def _top_p_threshold(probs: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -55,6 +55,11 @@ class SlotPool:
         self.new_state()
 
     @property
+    def snapshot_block(self) -> int | None:
+        """The prefix cache's block (None without a cache)."""
+        return None if self.prefix_cache is None else self.prefix_cache.block
+
+    @property
     def window_mode(self) -> str:
         return window_mode_of(self.model)
 
@@ -64,6 +69,10 @@ class SlotPool:
         self.state = self.model.init_state(self.n_slots, self.cache_len)
         self.history = self.model.new_history(self.n_slots)
         self.penalties.state = None
+
+    def block_until_ready(self) -> None:
+        """Wait for every program writing the pool's device state."""
+        jax.block_until_ready((self.state, self.penalties.state))
 
     def reset_slots(self, mask: np.ndarray) -> None:
         """Empty the device state of the slots where mask [n_slots] is True (one program; the state donated)."""

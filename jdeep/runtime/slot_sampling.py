@@ -10,8 +10,8 @@ leave a logit unchanged exactly).
 Programs: the sampler, `sample` or `sample_logprobs` (sampling.py) with or without a PenaltyState window, per window
 size; the pool's window and count programs per window size, its reset and move programs (one each: a prompt's seen
 mask is built on the host); and for prompt logprobs, per prefill program (rows, S), the step's all-positions variant
-and one program taking each row's last logits and every position's logprobs from it. `warm_sampling` compiles them
-all for Runner.warmup.
+and one program taking each row's last logits and every position's logprobs from it. The engine's inventory lists
+them all (inventory.serving_programs) and warm-up compiles them (warmup.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from .requests import RequestError
-from .sampling import PenaltyState, SamplingParams, host_batch, sample, sample_logprobs, token_logprobs
-from .scheduler import Window
+from .sampling import PenaltyState, sample, sample_logprobs, token_logprobs
 
-__all__ = ["SlotPenalties", "sampler", "warm_sampling", "logprob_entries", "chunk_prompt_logprobs",
+__all__ = ["SlotPenalties", "sampler", "logprob_entries", "chunk_prompt_logprobs",
            "refuse_unsupported", "SPECULATIVE_UNSUPPORTED"]
 
 # what speculative decoding's verify programs do not apply yet: they take these only "off" (docs/speculative.md's
@@ -43,16 +42,26 @@ def refuse_unsupported(params, unsupported, engine: str) -> None:
             raise RequestError(f"{name} is not supported by {engine} (speculative decoding)", name)
 
 
+def _slot(pen: PenaltyState, slot):
+    """A slot index clamped to the pool (Neuron's rule S12: scatter indices derive from a clamp)."""
+    return jnp.clip(slot, 0, pen.counts.shape[0] - 1)
+
+
 def _reset_row(pen: PenaltyState, slot, seen) -> PenaltyState:
     """Row `slot` of the pool: no counts, the prompt's tokens seen (seen bool [V], built on the host)."""
+    slot = _slot(pen, slot)
     return PenaltyState(pen.counts.at[slot].set(0), pen.seen.at[slot].set(seen))
 
 
 def _count(pen: PenaltyState, start, tokens, live) -> PenaltyState:
-    """Add tokens int32 [rows] (where live [rows]) to the counts of the window's rows start .. start + rows."""
-    rows = start + jnp.arange(tokens.shape[0])
-    ids = jnp.clip(tokens, 0, pen.counts.shape[1] - 1)
-    return pen._replace(counts=pen.counts.at[rows, ids].add(live.astype(jnp.int32)))
+    """Add tokens int32 [rows] (where live [rows]) to the counts of the window's rows start .. start + rows: a
+    one-hot add over the window's slice, written back in place (no integer scatter-add, which Neuron computes in
+    fp32: rule S11)."""
+    n, V = tokens.shape[0], pen.counts.shape[1]
+    window = jax.lax.dynamic_slice_in_dim(pen.counts, start, n, axis=0)
+    hit = (jnp.arange(V, dtype=jnp.int32)[None, :] == tokens[:, None]) & live[:, None]
+    return pen._replace(counts=jax.lax.dynamic_update_slice_in_dim(pen.counts, window + hit.astype(jnp.int32), start,
+                                                                   axis=0))
 
 
 def _window(pen: PenaltyState, start, *, rows: int) -> PenaltyState:
@@ -60,6 +69,7 @@ def _window(pen: PenaltyState, start, *, rows: int) -> PenaltyState:
 
 
 def _move(pen: PenaltyState, src, dst) -> PenaltyState:
+    src, dst = _slot(pen, src), _slot(pen, dst)
     return PenaltyState(*(a.at[dst].set(a[src]) for a in pen))
 
 
@@ -127,33 +137,3 @@ def chunk_prompt_logprobs(model, logits: jax.Array, positions: np.ndarray, asked
     lp, top_ids, top = (model.fetch(a) for a in outs)
     return last, {r: [logprob_entries(targets[r, j], lp[r, j], top_ids[r, j], top[r, j], n_top)
                       for j in np.flatnonzero(targets[r] >= 0)] for r, (_, _, n_top) in asked.items()}
-
-
-def warm_sampling(runner, logits: dict[int, jax.Array], prompt_logprobs: bool = True) -> int:
-    """Compile what sampling adds to a runner's step programs (Runner.warmup), placed as in serving: per window size
-    n (logits[n]: a step's logits [n, V]) the sampler's four variants (logprobs or not, penalties or not) and the
-    penalty pool's window and count programs; the pool's reset and (with more than one slot to move between) move
-    programs; with prompt_logprobs, per prefill program (rows, S) its all-positions step and the prompt-logprob
-    program. Returns the number of programs run. Rows carry position -1 and counts add nothing; the pool's penalty
-    state is left as it was (not allocated if no penalised request came yet)."""
-    model, pen, sched = runner.model, runner.pool.penalties, runner.scheduler
-    kept, pen.state = pen.state, None
-    pen.admit(0, np.zeros(1, np.int32))
-    n = 1
-    for rows in sched.decode_programs():
-        args = model.to_sampler((logits[rows], host_batch([SamplingParams()] * rows), np.zeros(rows, np.int32)))
-        window = pen.window(0, rows)
-        for want, p in ((False, None), (True, None), (False, window), (True, window)):
-            out = sampler(want)(*args, p)
-        pen.count(0, out[0], np.zeros(rows, bool))
-        n += 6
-    if sched.window_mode != "pool" and runner.pool.n_slots > 1:
-        pen.move(0, 0)
-        n += 1
-    for rows, S in sched.prefill_programs() if prompt_logprobs else ():
-        pos = np.full((rows, S), -1, np.int32)
-        chunk_prompt_logprobs(model, runner.run(np.zeros((rows, S), np.int32), pos, Window(0, rows), True), pos, {})
-        n += 2
-    jax.block_until_ready(pen.state)
-    pen.state = kept
-    return n

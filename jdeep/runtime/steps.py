@@ -122,8 +122,8 @@ def _device_block_program(model: Model, n_steps: int, keep_logits: bool, want_lo
         return jax.jit(functools.partial(_device_block, step=model.step_fn(all_logits=False), n_steps=n_steps,
                                          keep_logits=keep_logits, want_logprobs=want_logprobs), donate_argnums=(1,))
 
-    key = ("decode_block", model.config, model.plan, model.numerics, model.layout, n_steps, keep_logits, want_logprobs)
-    return PROGRAMS.get(key, make)
+    return PROGRAMS.keyed("decode_block", model.spec, make, n_steps=n_steps, keep_logits=keep_logits,
+                          want_logprobs=want_logprobs)
 
 
 def decode_block(model: Model, state: dict, engram: tuple | None, carry: tuple, lens, sb, stops, max_new, *,

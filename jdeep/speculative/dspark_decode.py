@@ -69,24 +69,22 @@ def _kw(model: Model) -> dict:
     return dict(config=model.config, plan=model.plan, numerics=model.numerics)
 
 
-def _key(model: Model) -> tuple:
-    return (model.config, model.plan, model.numerics)
-
 
 def draft_program(model: Model, greedy: bool):
-    return PROGRAMS.get(("dspark_spec_draft", greedy) + _key(model),
-                        lambda: jax.jit(functools.partial(draft, greedy=greedy, **_kw(model))))
+    return PROGRAMS.keyed("dspark_spec_draft", model.spec,
+                          lambda: jax.jit(functools.partial(draft, greedy=greedy, **_kw(model))), greedy=greedy)
 
 
 def verify_program(model: Model, k: int, greedy: bool, keep_logits: bool = False):
-    return PROGRAMS.get(("dspark_spec_verify", k, greedy, keep_logits) + _key(model), lambda: jax.jit(
-        functools.partial(verify, k=k, greedy=greedy, keep_logits=keep_logits, **_kw(model)), donate_argnums=(1, 2)))
+    return PROGRAMS.keyed("dspark_spec_verify", model.spec, lambda: jax.jit(
+        functools.partial(verify, k=k, greedy=greedy, keep_logits=keep_logits, **_kw(model)), donate_argnums=(1, 2)),
+        k=k, greedy=greedy, keep_logits=keep_logits)
 
 
 def iterations_program(model: Model, k: int, n: int, greedy: bool, keep_logits: bool = False):
-    return PROGRAMS.get(("dspark_spec_iterations", k, n, greedy, keep_logits) + _key(model), lambda: jax.jit(
+    return PROGRAMS.keyed("dspark_spec_iterations", model.spec, lambda: jax.jit(
         functools.partial(iterations, n=n, k=k, greedy=greedy, keep_logits=keep_logits, **_kw(model)),
-        donate_argnums=(1, 2, 3)))
+        donate_argnums=(1, 2, 3)), k=k, n=n, greedy=greedy, keep_logits=keep_logits)
 
 
 def dead_tokens(model: Model, tokens: np.ndarray) -> np.ndarray | None:

@@ -115,9 +115,9 @@ class DSparkDrafter:
 
     def _program(self, fn, rows: int, **extra):
         m = self.model
-        key = (self.method, fn.__name__, rows, tuple(sorted(extra.items())), m.config, m.plan, m.numerics)
-        return PROGRAMS.get(key, lambda: jax.jit(functools.partial(
-            fn, rows=rows, config=m.config, plan=m.plan, numerics=m.numerics, **extra), donate_argnums=(1, 2)))
+        return PROGRAMS.keyed(f"{self.method}.{fn.__name__}", m.spec, lambda: jax.jit(functools.partial(
+            fn, rows=rows, config=m.config, plan=m.plan, numerics=m.numerics, **extra), donate_argnums=(1, 2)),
+            rows=rows, **extra)
 
     def prefill(self, state, dstate, chunk: PrefillChunk, sb: SamplingBatch, greedy: bool, history,
                 logprobs: bool = False, logits: bool = False):

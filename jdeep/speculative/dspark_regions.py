@@ -52,15 +52,16 @@ class RegionsPrograms:
         self.model, self.k, self.greedy = model, k, greedy
         c, plan, num = model.config, model.plan, model.numerics
         kw = dict(config=c, plan=plan, numerics=num)
-        key = (k, greedy, c, plan, num)
-        self.draft = PROGRAMS.get(("dspark_regions_draft",) + key,
-                                  lambda: jax.jit(functools.partial(draft, greedy=greedy, **kw)))
-        self.save = PROGRAMS.get(("dspark_regions_save", c, plan, num),
-                                 lambda: jax.jit(functools.partial(save_undo, plan=plan)))
-        self.finish = PROGRAMS.get(("dspark_regions_finish", keep_logits) + key, lambda: jax.jit(
-            functools.partial(finish, k=k, greedy=greedy, keep_logits=keep_logits, **kw), donate_argnums=(1, 2)))
-        self.tail = PROGRAMS.get(("dspark_regions_tail",) + key, lambda: jax.jit(
-            functools.partial(prefill_tail, greedy=greedy, **kw), donate_argnums=(1,)))
+        spec = model.spec
+        self.draft = PROGRAMS.keyed("dspark_regions_draft", spec,
+                                    lambda: jax.jit(functools.partial(draft, greedy=greedy, **kw)), greedy=greedy)
+        self.save = PROGRAMS.keyed("dspark_regions_save", spec,
+                                   lambda: jax.jit(functools.partial(save_undo, plan=plan)))
+        self.finish = PROGRAMS.keyed("dspark_regions_finish", spec, lambda: jax.jit(
+            functools.partial(finish, k=k, greedy=greedy, keep_logits=keep_logits, **kw), donate_argnums=(1, 2)),
+            k=k, greedy=greedy, keep_logits=keep_logits)
+        self.tail = PROGRAMS.keyed("dspark_regions_tail", spec, lambda: jax.jit(
+            functools.partial(prefill_tail, greedy=greedy, **kw), donate_argnums=(1,)), greedy=greedy)
         self.verify_step = regions_step(c, plan, num, True, taps=True)
         self.prefill_step = regions_step(c, plan, num, False, taps=True)
         self._inputs = None

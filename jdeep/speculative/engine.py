@@ -22,13 +22,15 @@ import numpy as np
 
 from ..model.model import Model
 from ..runtime.engine import Engine
-from ..runtime.prefix_snapshot import snapshot_prefills, warm_snapshots
+from ..runtime.inventory import ProgramSpec, slot_programs
+from ..runtime.prefix_snapshot import snapshot_prefills, snapshot_sizes
 from ..runtime.runner import Runner, Tokens
 from ..runtime.sampling import SamplingParams, host_batch
 from ..runtime.scheduler import Iteration
 from ..runtime.slot_pool import SlotPool, window_mode_of
 from ..runtime.slot_sampling import SPECULATIVE_UNSUPPORTED, logprob_entries
 from ..runtime.slots import guarded
+from ..runtime.warmup import WarmContext
 from .config import parse_speculative
 from .drafter import DecodeRows, Drafter, Emitted, PrefillChunk
 from .dspark_drafter import DSparkDrafter
@@ -62,6 +64,10 @@ class DraftingSlotPool(SlotPool):
     def new_state(self) -> None:
         super().new_state()
         self.dstate = self.drafter.new_state(self.n_slots, self.cache_len)
+
+    def block_until_ready(self) -> None:
+        super().block_until_ready()
+        jax.block_until_ready(self.dstate)
 
     def reset_slots(self, mask: np.ndarray) -> None:
         super().reset_slots(mask)
@@ -143,35 +149,33 @@ class SpeculativeRunner(Runner):
         new = {i: [int(first.tokens[i - w.start])] for i in ended}
         return new, self._logprobs(first, want, w.start, new)
 
-    def warmup(self, max_len: int, prompt_logprobs: bool = True) -> int:
-        """Compile the decode iteration of every window size and the prefill program of every (window size, chunk),
-        each in its greedy and sampled variant, the slot move, and with a prefix cache its snapshot programs, on rows
-        at position -1 (no state, drafter state or Engram history changes). Returns the number of programs run
-        (Drafter.programs_per_decode per iteration). prompt_logprobs: unused (speculation refuses them)."""
-        counts, pool = dict(self.steps_per_bucket), self.pool
-        pool.reset_slots(np.zeros(pool.n_slots, bool))
-        n_run = 0
-        for n in self.scheduler.decode_programs():
-            sb = host_batch([SamplingParams()] * n)
-            for greedy in (True, False):
-                pool.state, pool.dstate, _, _ = self.drafter.decode(pool.state, pool.dstate, DecodeRows.idle(n), sb,
-                                                                    greedy, pool.history)
-                n_run += self.drafter.programs_per_decode
-        for n, S in self.scheduler.prefill_programs():
-            sb = host_batch([SamplingParams()] * n)
-            for greedy in (True, False):
-                history = None if pool.history is None else pool.history.copy()
-                pool.state, pool.dstate, _ = self.drafter.prefill(pool.state, pool.dstate, PrefillChunk.idle(n, S),
-                                                                  sb, greedy, history)
-                n_run += 1
-        if self.scheduler.window_mode != "pool" and pool.n_slots > 1:
-            zero = self.model.put(np.int32(0))
-            pool.move_state(zero, zero)
-            n_run += 1
-        n_run += warm_snapshots(pool, max_len)        # (with a prefix cache: its copy-out and copy-in programs)
-        jax.block_until_ready((pool.state, pool.dstate))
-        self.steps_per_bucket = counts
-        return n_run
+    def programs(self, max_len: int, prompt_logprobs: bool = True) -> list[ProgramSpec]:
+        """The slot pool's programs (inventory.slot_programs), then per window size the decode iteration and per
+        (window size, chunk bucket) the prefill program, each in its greedy and sampled variant; a decode entry holds
+        Drafter.programs_per_decode compiled programs. prompt_logprobs: unused (speculation refuses them)."""
+        sched, k = self.scheduler, self.drafter.k
+        out = slot_programs(sched, self.pool.n_slots, snapshot_sizes(self.pool.snapshot_block, max_len))
+        for n in sched.decode_programs():
+            out += [ProgramSpec(f"b{n}.spec{k}.decode.{v}", "spec.decode", n, k + 1, v,
+                                self.drafter.programs_per_decode) for v in ("greedy", "sampled")]
+        for n, S in sched.prefill_programs():
+            out += [ProgramSpec(f"b{n}.spec.prefill{S}.{v}", "spec.prefill", n, S, v) for v in ("greedy", "sampled")]
+        return out
+
+    def warm(self, spec: ProgramSpec, ctx: WarmContext) -> None:
+        """Run one entry of `programs` on rows at position -1 (no state, drafter state or Engram history changes)."""
+        pool, n = self.pool, spec.rows
+        greedy = spec.variant == "greedy"
+        if spec.kind == "spec.decode":
+            pool.state, pool.dstate, _, _ = self.drafter.decode(pool.state, pool.dstate, DecodeRows.idle(n),
+                                                                host_batch([SamplingParams()] * n), greedy,
+                                                                pool.history)
+        elif spec.kind == "spec.prefill":
+            history = None if pool.history is None else pool.history.copy()
+            pool.state, pool.dstate, _ = self.drafter.prefill(pool.state, pool.dstate, PrefillChunk.idle(n, spec.seq),
+                                                              host_batch([SamplingParams()] * n), greedy, history)
+        else:
+            super().warm(spec, ctx)
 
 
 class SpeculativeEngine(Engine):

@@ -46,22 +46,19 @@ def new_mtp_state(model: Model, batch: int, max_len: int) -> dict:
     return jax.device_put(empty, model.layout.state_shardings(empty))
 
 
-def _key(model: Model) -> tuple:
-    return (model.config, model.plan, model.numerics)
-
-
 class ScanPrograms:
     """The scan compile mode's blocks: iterations(n)(params, state, mstate, carry, sb, stops, max_new) -> (state,
     mstate, carry, emitted (acceptance.Emitted [n, B, k+1]), accepted [n, B]) as one program per n."""
 
     def __init__(self, model: Model, k: int, greedy: bool, keep_logits: bool = False):
-        self.k, self.kw = k, dict(config=model.config, plan=model.plan, numerics=model.numerics, greedy=greedy,
-                                  layout=model.layout, keep_logits=keep_logits)
+        self.k, self.spec, self.options = k, model.spec, dict(greedy=greedy, keep_logits=keep_logits)
+        self.kw = dict(config=model.config, plan=model.plan, numerics=model.numerics, layout=model.layout,
+                       **self.options)
 
     def iterations(self, n: int) -> Callable:
-        return PROGRAMS.get(("mtp_iterations", self.k, n) + tuple(sorted(self.kw.items())),
-                            lambda: jax.jit(functools.partial(iterations, n=n, k=self.k, **self.kw),
-                                            donate_argnums=(1, 2, 3)))
+        return PROGRAMS.keyed("mtp_iterations", self.spec, lambda: jax.jit(
+            functools.partial(iterations, n=n, k=self.k, **self.kw), donate_argnums=(1, 2, 3)),
+            k=self.k, n=n, **self.options)
 
 
 class RegionsPrograms:
@@ -71,14 +68,14 @@ class RegionsPrograms:
     (mtp_iteration.mtp_params)."""
 
     def __init__(self, model: Model, k: int, greedy: bool, keep_logits: bool = False):
-        c, plan, nu = _key(model)
+        c, plan, nu = model.config, model.plan, model.numerics
         kw = dict(config=c, plan=plan, numerics=nu, greedy=greedy)
-        key = tuple(sorted(kw.items()))
         self.verify = regions_step(c, plan, nu, True, layout=model.layout, hidden=True)
-        self.draft = PROGRAMS.get(("mtp_draft", k) + key,
-                                  lambda: jax.jit(functools.partial(draft, k=k, **kw), donate_argnums=(2,)))
-        self.finish = PROGRAMS.get(("mtp_finish", k, keep_logits) + key, lambda: jax.jit(
-            functools.partial(finish, k=k, keep_logits=keep_logits, **kw), donate_argnums=(1, 2)))
+        self.draft = PROGRAMS.keyed("mtp_draft", model.spec, lambda: jax.jit(
+            functools.partial(draft, k=k, **kw), donate_argnums=(2,)), k=k, greedy=greedy)
+        self.finish = PROGRAMS.keyed("mtp_finish", model.spec, lambda: jax.jit(
+            functools.partial(finish, k=k, keep_logits=keep_logits, **kw), donate_argnums=(1, 2)),
+            k=k, greedy=greedy, keep_logits=keep_logits)
 
     def iteration(self, params, state, mstate, carry, sb, stops, max_new):
         mstate, dr = self.draft(mtp_params(params), state, mstate, carry, sb)

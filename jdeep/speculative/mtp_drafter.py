@@ -181,9 +181,9 @@ class MtpDrafter:
 
     def _program(self, fn, rows: int, donate: tuple[int, ...] = (1, 2), **extra):
         m = self.model
-        key = (self.method, fn.__name__, rows, tuple(sorted(extra.items())), m.config, m.plan, m.numerics)
-        return PROGRAMS.get(key, lambda: jax.jit(functools.partial(
-            fn, rows=rows, config=m.config, plan=m.plan, numerics=m.numerics, **extra), donate_argnums=donate))
+        return PROGRAMS.keyed(f"{self.method}.{fn.__name__}", m.spec, lambda: jax.jit(functools.partial(
+            fn, rows=rows, config=m.config, plan=m.plan, numerics=m.numerics, **extra), donate_argnums=donate),
+            rows=rows, **extra)
 
     def _decode_program(self, rows: int, greedy: bool):
         """(params, state, ds, x, p, count, live, sb, start) -> (state, ds, emitted, accepted) (module docstring)."""

@@ -12,25 +12,25 @@ jax.ShapeDtypeStruct built from the config alone (no weights are read).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from ..arenas import is_packed, pack_params
-from ..config import ModelConfig
+from ..arenas import pack_params
 from ..model.cache import PROGRAMS, ProgramCache
-from ..model.model import Model, compiled_rows_step, compiled_step
+from ..model.model import compiled_rows_step, compiled_step
 from ..model.regions import regions_step
-from ..numerics import Numerics
+from ..model.spec import ModelSpec
 from ..param_spec import abstract_params
-from ..plan import LayerPlan, build_plan
-from ..runtime.sampling import MAX_LOGIT_BIAS, MIN_STOP_WIDTH, SamplingBatch
+from ..runtime.inventory import ProgramSpec, abstract_program
+from ..runtime.sampling import SamplingBatch, abstract_batch
 from ..runtime.steps import length_bucket
 from ..state import init_state
 
-__all__ = ["Target", "Program", "model_programs", "chunk_buckets", "step_inputs", "sampling_inputs",
+__all__ = ["Target", "Program", "model_programs", "step_programs", "inventory_programs", "chunk_buckets", "step_inputs", "sampling_inputs",
            "SERVING_BATCH_SIZES", "SERVING_PREFILL_LEN", "SERVING_PREFILL_TOKENS"]
 
 SERVING_BATCH_SIZES: tuple[int, ...] = tuple(1 << i for i in range(9))    # 1, 2, 4, ..., 256 sequence slots
@@ -38,31 +38,7 @@ SERVING_PREFILL_LEN = 8192                                                 # the
 SERVING_PREFILL_TOKENS = 8192   # the token budget of one prefill step (batch x chunk): larger steps are not served
 
 
-@dataclass(frozen=True)
-class Target:
-    """What to build programs for."""
-
-    config: ModelConfig
-    plan: LayerPlan
-    numerics: Numerics
-    dtype: Any
-    compile_mode: str = "scan"
-    host_embedding: bool = False
-    packed_params: bool = False      # scan mode: per-layer tensors in arenas (arenas.py)
-
-    @classmethod
-    def of(cls, model: Model) -> "Target":
-        return cls(model.config, model.plan, model.numerics, model.dtype, model.compile_mode,
-                   model.host_embed is not None, is_packed(model.params))
-
-    @classmethod
-    def for_config(cls, config: ModelConfig, dtype: Any, compile_mode: str = "scan", host_embedding: bool = False,
-                   quantize_activations: bool | None = None, fp8_max: float | None = None, packed_kv: bool = False,
-                   packed_params: bool = False, platform: str | None = None) -> "Target":
-        """From a config alone (no weights): the layer plan and numerics jdeep.load would build for it on
-        `platform` (default: JAX's backend; "neuron" where the programs are checked or exported for Neuron)."""
-        numerics = Numerics.for_config(config, quantize_activations, fp8_max, packed_kv, platform)
-        return cls(config, build_plan(config), numerics, dtype, compile_mode, host_embedding, packed_params)
+Target = ModelSpec     # what to build programs for: a model's spec, from a loaded model or a config alone
 
 
 @dataclass(frozen=True)
@@ -100,11 +76,8 @@ def step_inputs(t: Target, B: int, S: int, max_len: int) -> tuple:
 
 
 def sampling_inputs(B: int) -> SamplingBatch:
-    """Abstract per-row sampling parameters of B rows (what the speculative programs take)."""
-    f, i = jax.ShapeDtypeStruct((B,), jnp.float32), jax.ShapeDtypeStruct((B,), jnp.int32)
-    bias_ids, bias = (jax.ShapeDtypeStruct((B, MAX_LOGIT_BIAS), dt) for dt in (jnp.int32, jnp.float32))
-    return SamplingBatch(f, i, f, f, jax.ShapeDtypeStruct((B, 2), jnp.uint32), f, f, f, bias_ids, bias, i,
-                         jax.ShapeDtypeStruct((B, MIN_STOP_WIDTH), jnp.int32))
+    """Abstract per-row sampling parameters of B rows (what the speculative programs take; sampling.abstract_batch)."""
+    return abstract_batch(B)
 
 
 def chunk_buckets(longest: int) -> tuple[int, ...]:
@@ -130,22 +103,66 @@ def model_programs(t: Target, batch_sizes=(1,), prefill_len: int | Sequence[int]
     lens = tuple(prefill_len) if several else (prefill_len,)
     out = []
     for B in batch_sizes:
-        window = pool is not None and B < pool and t.config.engram is None
         prefills = [("prefill", S) for S in lens if max_prefill_tokens is None or B * S <= max_prefill_tokens]
         for step, S in prefills + [("decode", 1)]:
-            bucket = {"batch": B, "seq": S, "step": step, "max_len": max_len}
-            args = step_inputs(t, B, S, max_len)
-            if window:
-                bucket["pool"] = pool
-                args = (args[0], step_inputs(t, pool, 1, max_len)[1]) + args[2:] + (
-                    jax.ShapeDtypeStruct((), jnp.int32),)
             name = f"b{B}.{step}{S if several and step == 'prefill' else ''}"
-            rows = B if window else None
-            if t.compile_mode == "scan":
-                fn = (compiled_rows_step(t.config, t.plan, t.numerics, False, B, cache=cache) if window else
-                      compiled_step(t.config, t.plan, t.numerics, False, cache=cache))
-                out.append(Program(name, fn, args, bucket))
-            else:
-                rs = regions_step(t.config, t.plan, t.numerics, False, rows=rows, cache=cache)
-                out += [Program(f"{name}.{n}", fn, a, bucket) for n, fn, a in rs.programs(*args)]
+            out += step_programs(t, name, step, B, S, max_len, pool, cache=cache)
     return out
+
+
+def step_programs(t: Target, name: str, step: str, B: int, S: int, max_len: int, pool: int | None = None,
+                  all_logits: bool = False, cache: ProgramCache = PROGRAMS) -> list[Program]:
+    """The program(s) of one model step over B rows of S tokens on a state of `max_len` tokens, named `name` (in the
+    regions mode one per region, "{name}.{region}"); step: "prefill" or "decode" (its bucket's label). pool: B < pool
+    rows run as the Engine runs them, a window (traced first slot) of a `pool`-slot state (not models with Engram,
+    which step the whole pool). all_logits: every position's logits (the prompt-logprob variant)."""
+    window = pool is not None and B < pool and t.config.engram is None
+    bucket = {"batch": B, "seq": S, "step": step, "max_len": max_len}
+    args = step_inputs(t, B, S, max_len)
+    if window:
+        bucket["pool"] = pool
+        args = (args[0], step_inputs(t, pool, 1, max_len)[1]) + args[2:] + (jax.ShapeDtypeStruct((), jnp.int32),)
+    if t.compile_mode == "scan":
+        fn = (compiled_rows_step(t.config, t.plan, t.numerics, all_logits, B, cache=cache) if window else
+              compiled_step(t.config, t.plan, t.numerics, all_logits, cache=cache))
+        return [Program(name, fn, args, bucket)]
+    rs = regions_step(t.config, t.plan, t.numerics, all_logits, rows=B if window else None, cache=cache)
+    return [Program(f"{name}.{n}", fn, a, bucket) for n, fn, a in rs.programs(*args)]
+
+
+def inventory_programs(t: Target, specs: Sequence[ProgramSpec], n_slots: int, state_len: int,
+                       cache: ProgramCache = PROGRAMS) -> list[Program]:
+    """An engine's inventory (runtime/inventory.py: Engine.programs, plan_inventory) lowered from the config alone,
+    entry by entry under the inventory's names (a step in the regions mode: one program per region,
+    "{name}.{region}"): model steps as step_programs builds them over an n_slots-slot state of state_len tokens,
+    the rest as the engine runs them (inventory.abstract_program)."""
+    out = []
+    state = None
+    for spec in specs:
+        if spec.kind == "step":
+            step = "decode" if spec.name.endswith(".decode") else "prefill"
+            out += step_programs(t, spec.name, step, spec.rows, spec.seq, state_len, n_slots,
+                                 all_logits=spec.variant == "all_logits", cache=cache)
+            continue
+        if state is None:
+            state = step_inputs(t, n_slots, 1, state_len)[1]
+        fn, args, static = abstract_program(spec, state, t.config.vocab_size, n_slots, state_len)
+        fn = functools.partial(fn, **static) if static else fn
+        out.append(Program(spec.name, _Lowerable(fn), args, {"batch": spec.rows, "seq": spec.seq,
+                                                             "step": spec.kind, "max_len": state_len}))
+    return out
+
+
+class _Lowerable:
+    """A jitted function with static keyword arguments bound, as Program.fn (lowers with them)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def lower(self, *args):
+        if isinstance(self.fn, functools.partial):
+            return self.fn.func.lower(*args, **self.fn.keywords)
+        return self.fn.lower(*args)
+
+    def __call__(self, *args):
+        return self.fn(*args)

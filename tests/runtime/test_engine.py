@@ -51,8 +51,11 @@ def test_warmup_compiles_every_program_serving_reaches(model):
     eng = Engine(model, max_num_seqs=8, max_len=64, prefill_chunk=16)
     state = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(eng.state)]
     # windows 1, 2, 4, 8 x (decode, prefill 16, the sampler with and without logprobs and penalties, the penalty
-    # window and count), penalty reset and move, slot move (prompt logprobs: tests/runtime/test_logprobs_penalties.py)
-    assert eng.warmup(prompt_logprobs=False) == 4 * (2 + 6) + 2 + 1
+    # window and count), penalty reset and move, slot reset and move (prompt logprobs:
+    # tests/runtime/test_logprobs_penalties.py): the inventory, each entry one program, is what warm-up runs
+    programs = eng.programs(prompt_logprobs=False)
+    assert len({p.name for p in programs}) == len(programs) and all(p.programs == 1 for p in programs)
+    assert eng.warmup(prompt_logprobs=False) == len(programs) == 4 * (2 + 6) + 2 + 2
     for before, after in zip(state, jax.tree_util.tree_leaves(eng.state)):
         np.testing.assert_array_equal(before, np.asarray(after))     # rows at position -1 write nothing
     assert eng.steps_per_bucket == {}

@@ -22,6 +22,7 @@ from jdeep import SamplingParams
 from jdeep.cli import build_parser
 from jdeep.presets import tiny_v41_config
 from jdeep.runtime.engine import Engine
+from jdeep.runtime.inventory import total_programs
 from jdeep.speculative import dspark_decode, dspark_drafter
 from jdeep.speculative.dspark_drafter import DSparkDrafter
 from jdeep.speculative.engine import SpeculativeEngine, make_engine
@@ -64,7 +65,8 @@ def test_dspark_engine_with_engram_gives_the_plain_engines_tokens(golden, monkey
 
     eng = SpeculativeEngine(golden, {"method": "dspark", "num_speculative_tokens": k}, **ENGINE)
     state = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves((eng.state, eng.dstate))]
-    assert eng.warmup() == 2 * 2 + 2     # the pool: (draft + verify, prefill 16) x (greedy, sampled)
+    # the pool: (draft + verify, prefill 16) x (greedy, sampled), the slot reset: the engine's inventory
+    assert eng.warmup() == total_programs(eng.programs()) == 2 * 2 + 2 + 1
     for before, after in zip(state, jax.tree_util.tree_leaves((eng.state, eng.dstate))):
         np.testing.assert_array_equal(before, np.asarray(after))
 

@@ -59,7 +59,8 @@ def test_speculative_engine_gives_the_plain_engines_tokens(model):
 
     eng = SpeculativeEngine(model, SPEC, **ENGINE)
     state = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(eng.state)]
-    assert eng.warmup() == 2 * 2 * 2 + 1    # windows 1, 2 x (decode, prefill 16) x (greedy, sampled), the move
+    # windows 1, 2 x (decode, prefill 16) x (greedy, sampled), the slot reset and move: the engine's inventory
+    assert eng.warmup() == len(eng.programs()) == 2 * 2 * 2 + 2
     for before, after in zip(state, jax.tree_util.tree_leaves(eng.state)):
         np.testing.assert_array_equal(before, np.asarray(after))
     compiles = []

@@ -153,3 +153,33 @@ def test_export_with_speculative_programs_takes_the_live_argument_trees(tmp_path
     avals = exported["b1.spec1.iteration.greedy"].in_avals
     assert [(a.shape, a.dtype) for a in avals] == [(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype")
                                                    else x.dtype) for x in leaves]
+
+
+def test_check_graph_and_export_walk_the_engines_program_inventory(tmp_path, capsys):
+    """With serve settings (--max-num-seqs, --max-len, --prefill-chunk), check-graph and export lower exactly the
+    programs the Engine's warm-up runs — its inventory (Engine.programs, which warm-up walks entry by entry:
+    tests/runtime/test_engine.py) — by name and in order, from the config alone. The model steps pass Neuron's
+    compile-safety rules; the host-driven samplers do not (threefry PRNG, uint64 iotas: S10, S13, S18), nor does
+    the slot reset (a select over the whole donated state: S20)."""
+    from jdeep.presets import one_layer_config
+    from jdeep.runtime.engine import Engine
+
+    path = tmp_path / "m"
+    random_checkpoint(one_layer_config(), str(path), seed=5)
+    eng = Engine(jdeep.load(path), max_num_seqs=2, max_len=160, prefill_chunk=16, prefix_cache_bytes=1 << 20)
+    names = [p.name for p in eng.programs()]
+    assert {"slots.reset", "slots.move", "b2.decode", "b1.prefill16", "b1.sample.logprobs.penalties",
+            "b2.penalties.count", "snapshot128.out", "snapshot256.in",
+            "b2.prefill16.all_logits", "b2.prompt_logprobs16"} <= set(names)
+    settings = ["--model", str(path), "--mode", "scan", "--max-num-seqs", "2", "--max-len", "160", "--prefill-chunk",
+                "16"]
+    main(["check-graph", *settings])
+    out = capsys.readouterr().out
+    reports = {line.split()[1].rstrip(":"): line.startswith("ok ") for line in out.splitlines()
+               if line.startswith(("ok ", "graphcheck "))}
+    assert list(reports) == names
+    assert all(ok for name, ok in reports.items() if ".decode" in name or ".prefill" in name or "snapshot" in name)
+    assert not reports["b1.sample"] and not reports["slots.reset"]
+    assert main(["export", *settings, "--out", str(tmp_path / "export")]) == 0
+    manifest, _ = load_exported(str(tmp_path / "export"))
+    assert [p["name"] for p in manifest["programs"]] == names

@@ -60,7 +60,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ..linear import stack_dims
-from ..reference import _act, dense_weight, expert_groups, group_rows, stacked_experts, ungroup_rows
+from ..reference import dense_weight, expert_groups, group_rows, moe_input, stacked_experts, ungroup_rows
 from .launch import launch, program_share
 from .moe_tiles import SLAB, Stack, fp4_lanes, load_rows, load_scales, load_slab, project
 from .moe_tiles import P as _P
@@ -210,7 +210,7 @@ def _ffn(rows, row_weight, tile_ids, per_tile: int, w1, w2, w3, limit, numerics,
     v2, s2, _, _ = _operands(w2, numerics, stacked)
     a = launch(_gate_up)(rows, row_weight.astype(jnp.float32), tile_ids, v1, s1, v3, s3, float(limit),
                          int(per_tile), fmt, block)
-    a = _act(a.astype(dtype), numerics, isinstance(w2, dict))
+    a = moe_input(a.astype(dtype), numerics, isinstance(w2, dict))
     return launch(_down)(a, tile_ids, v2, s2, int(per_tile), fmt, block)
 
 
@@ -226,7 +226,7 @@ def moe_experts_gather(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, 
     """The reference's contract (x [T, d], idx int32 / weight fp32 [T, k], stacks [R, E, ...]) -> fp32 [T, d]: one
     (token, expert) pair per row tile."""
     T, k = idx.shape
-    rows = jnp.repeat(_act(x, numerics, isinstance(w1, dict)), k, axis=0)          # [T*k, d]
+    rows = jnp.repeat(moe_input(x, numerics, isinstance(w1, dict)), k, axis=0)          # [T*k, d]
     y = _ffn(rows, weight.reshape(-1), _stack_ids(w1, layer, idx.reshape(-1)), 1, w1, w2, w3, limit, numerics,
              x.dtype, True)
     return jnp.sum(y.reshape(T, k, -1), axis=1)
@@ -237,7 +237,7 @@ def moe_experts_grouped(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2,
     """The reference's contract: rows sorted by expert in padded groups (`expert_groups`), one expert per tile."""
     T, k = idx.shape
     g = expert_groups(idx, stacked_experts(w1))
-    rows, wts = group_rows(_act(x, numerics, isinstance(w1, dict)), weight, g)
+    rows, wts = group_rows(moe_input(x, numerics, isinstance(w1, dict)), weight, g)
     y = _ffn(rows, wts, _stack_ids(w1, layer, g.tile_expert), g.tile, w1, w2, w3, limit, numerics, x.dtype, True)
     return ungroup_rows(y, g, T, k)
 
@@ -251,7 +251,7 @@ def moe_experts_dense(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w
     per_tile = min(T, 128)
     tiles = -(-T // per_tile)
     Tp = tiles * per_tile
-    xa = jnp.pad(_act(x, numerics, isinstance(w1, dict)), ((0, Tp - T), (0, 0)))
+    xa = jnp.pad(moe_input(x, numerics, isinstance(w1, dict)), ((0, Tp - T), (0, 0)))
     rows = jnp.broadcast_to(xa[None], (E, Tp, d)).reshape(E * Tp, d)
     wts = jnp.pad(jax.vmap(lambda e: dense_weight(idx, weight, e))(jnp.arange(E)), ((0, 0), (0, Tp - T)))
     ids = _stack_ids(w1, layer, jnp.repeat(jnp.arange(E, dtype=jnp.int32), tiles))
@@ -264,7 +264,7 @@ def moe_experts_dense(x: jax.Array, idx: jax.Array, weight: jax.Array, w1, w2, w
 def shared_expert(x: jax.Array, w1, w2, w3, limit: float, numerics=None) -> jax.Array:
     """The reference's contract: x [..., d] -> fp32 [..., d], one expert (unstacked [I, d] weights), weight 1."""
     shape = x.shape
-    xt = _act(x.reshape(-1, shape[-1]), numerics, isinstance(w1, dict))
+    xt = moe_input(x.reshape(-1, shape[-1]), numerics, isinstance(w1, dict))
     T = xt.shape[0]
     per_tile = min(T, 128)
     ids = jnp.zeros((-(-T // per_tile),), jnp.int32)

@@ -1,0 +1,141 @@
+"""An engine's program inventory: every program it runs for its settings, as data.
+
+Each engine's runner lists its programs (Runner.programs, Engine.programs) before running any: warm-up walks that
+list and runs each entry once, so what warm-up compiles is exactly what the list says (warmup.py), and a deployment's
+program set can be read, counted and compared without running a model. An entry is a `ProgramSpec`: a unique name,
+the kind of program, the window rows and sequence length it runs at, its variant (sampler options, greedy or
+sampled), and how many compiled programs running it takes (`programs`: one, except where one call runs several,
+such as a drafter's draft and verify).
+
+Names: "b{rows}.decode", "b{rows}.prefill{S}" (the step programs, as tools/programs.model_programs names them),
+"b{rows}.prefill{S}.all_logits" and "b{rows}.prompt_logprobs{S}" (prompt logprobs), "b{rows}.sample[.logprobs]
+[.penalties]", "b{rows}.penalties.{window,count}", "penalties.{reset,move}", "slots.{reset,move}",
+"snapshot{L}.{out,in}" (the prefix cache's copy-out / copy-in of an L-token prefix bucket), and a speculative
+runner's "b{rows}.spec{k}.decode.{greedy,sampled}" and "b{rows}.spec.prefill{S}.{greedy,sampled}".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ..model.cache import PROGRAMS
+from ..state import move_slot, reset_slots, restore_slot, snapshot_slot
+from .prefix_snapshot import prefix_block, snapshot_sizes
+from .sampling import PenaltyState, abstract_batch, sample, sample_logprobs
+from .scheduler import Scheduler
+from .slot_sampling import _count, _move, _prompt_outputs, _reset_row, _window
+from .slots import default_batched_tokens
+from .steps import batch_bucket, length_bucket
+
+__all__ = ["ProgramSpec", "serving_programs", "slot_programs", "total_programs", "plan_inventory",
+           "abstract_program"]
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """One program of an engine's inventory (see the module docstring)."""
+
+    name: str
+    kind: str                 # "slots" | "step" | "sampler" | "penalties" | "prompt_logprobs" | "snapshot" |
+                              # "spec.decode" | "spec.prefill"
+    rows: int = 0             # the window's rows (0: not per window)
+    seq: int = 0              # positions per row (0: not a step)
+    variant: str = ""
+    programs: int = 1         # compiled programs one run of this entry takes
+
+
+def slot_programs(sched: Scheduler, n_slots: int, snapshot_sizes: Sequence[int]) -> list[ProgramSpec]:
+    """The slot pool's programs: the reset, the move (when slots can move), the prefix cache's snapshots."""
+    out = [ProgramSpec("slots.reset", "slots")]
+    if sched.window_mode != "pool" and n_slots > 1:
+        out.append(ProgramSpec("slots.move", "slots"))
+    for L in snapshot_sizes:
+        out += [ProgramSpec(f"snapshot{L}.out", "snapshot", seq=L), ProgramSpec(f"snapshot{L}.in", "snapshot", seq=L)]
+    return out
+
+
+def serving_programs(sched: Scheduler, n_slots: int, snapshot_sizes: Sequence[int] = (),
+                     prompt_logprobs: bool = True) -> list[ProgramSpec]:
+    """The plain Engine's inventory, in warm-up order: the slot programs, a decode step per window size and a
+    prefill step per (window size, chunk bucket) the scheduler can choose, the sampler in its four variants and the
+    penalty pool's programs per window size, and with prompt_logprobs each prefill step's all-positions variant and
+    its prompt-logprob program."""
+    decode, prefill = sched.decode_programs(), sched.prefill_programs()
+    out = slot_programs(sched, n_slots, snapshot_sizes)
+    out += [ProgramSpec(f"b{n}.decode", "step", n, 1) for n in decode]
+    out += [ProgramSpec(f"b{n}.prefill{S}", "step", n, S) for n, S in prefill]
+    out.append(ProgramSpec("penalties.reset", "penalties"))
+    for n in decode:
+        out.append(ProgramSpec(f"b{n}.penalties.window", "penalties", n))
+        for variant in ("", ".logprobs", ".penalties", ".logprobs.penalties"):
+            out.append(ProgramSpec(f"b{n}.sample{variant}", "sampler", n, variant=variant.lstrip(".")))
+        out.append(ProgramSpec(f"b{n}.penalties.count", "penalties", n))
+    if sched.window_mode != "pool" and n_slots > 1:
+        out.append(ProgramSpec("penalties.move", "penalties"))
+    for n, S in prefill if prompt_logprobs else ():
+        out += [ProgramSpec(f"b{n}.prefill{S}.all_logits", "step", n, S, "all_logits"),
+                ProgramSpec(f"b{n}.prompt_logprobs{S}", "prompt_logprobs", n, S)]
+    return out
+
+
+def total_programs(specs: Sequence[ProgramSpec]) -> int:
+    """Compiled programs an inventory holds (each entry's `programs`)."""
+    return sum(s.programs for s in specs)
+
+
+def plan_inventory(config, max_num_seqs: int, max_len: int, prefill_chunk: int = 256,
+                   max_num_batched_tokens: int | None = None, prompt_logprobs: bool = True,
+                   prefix_cache: bool = True) -> tuple[list[ProgramSpec], int, int]:
+    """The plain Engine's inventory for these serving settings (Engine's arguments of the same names; prefix_cache:
+    whether it keeps a prefix cache), from the config alone (no weights, no device state): what
+    `Engine(model, ...).programs()` returns on one device. Returns (specs, n_slots, the state's length)."""
+    n_slots = batch_bucket(max_num_seqs)
+    budget = max_num_batched_tokens or default_batched_tokens(n_slots, prefill_chunk)
+    sched = Scheduler(n_slots, budget, prefill_chunk, "pool" if config.engram is not None else "aligned")
+    sizes = snapshot_sizes(prefix_block(config) if prefix_cache else None, max_len)
+    return serving_programs(sched, n_slots, sizes, prompt_logprobs), n_slots, length_bucket(max_len, 256)
+
+
+def abstract_program(spec: ProgramSpec, state: Any, vocab: int, n_slots: int, state_len: int
+                     ) -> tuple[Callable, tuple, dict]:
+    """(jitted function, abstract arguments, static keyword arguments) of an inventory entry that is not a model
+    step — what the engine runs for it (slot_pool.py, slot_sampling.py, prefix_snapshot.py) — over an abstract
+    decode state of n_slots slots and state_len tokens (jax.ShapeDtypeStruct leaves) and a vocabulary of `vocab`
+    ids. ValueError for a step entry (tools/programs.step_programs lowers those)."""
+    def a(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt)
+
+    i32, n = a((), jnp.int32), spec.rows
+    pen = PenaltyState(a((n_slots, vocab), jnp.int32), a((n_slots, vocab), jnp.bool_))
+    if spec.name == "slots.reset":
+        return PROGRAMS.jit(reset_slots, donate_argnums=(0,)), (state, a((n_slots,), jnp.bool_)), {}
+    if spec.name == "slots.move":
+        return PROGRAMS.jit(move_slot, donate_argnums=(0,)), (state, i32, i32), {}
+    if spec.kind == "snapshot":
+        static = {"n_tokens": spec.seq, "max_len": state_len}
+        take = PROGRAMS.jit(snapshot_slot, static_argnames=("n_tokens", "max_len"))
+        if spec.name.endswith(".out"):
+            return take, (state, i32), static
+        snap = jax.eval_shape(lambda s, i: snapshot_slot(s, i, **static), state, i32)
+        return PROGRAMS.jit(restore_slot, donate_argnums=(0,)), (state, snap, i32), {}
+    if spec.name == "penalties.reset":
+        return PROGRAMS.jit(_reset_row, donate_argnums=(0,)), (pen, i32, a((vocab,), jnp.bool_)), {}
+    if spec.name == "penalties.move":
+        return PROGRAMS.jit(_move, donate_argnums=(0,)), (pen, i32, i32), {}
+    if spec.name.endswith(".penalties.window"):
+        return PROGRAMS.jit(_window, static_argnames=("rows",)), (pen, i32), {"rows": n}
+    if spec.name.endswith(".penalties.count"):
+        return PROGRAMS.jit(_count, donate_argnums=(0,)), (pen, i32, a((n,), jnp.int32), a((n,), jnp.bool_)), {}
+    if spec.kind == "sampler":
+        window = PenaltyState(a((n, vocab), jnp.int32), a((n, vocab), jnp.bool_))
+        fn = PROGRAMS.jit(sample_logprobs if "logprobs" in spec.variant else sample)
+        return fn, (a((n, vocab), jnp.float32), abstract_batch(n), a((n,), jnp.int32),
+                    window if "penalties" in spec.variant else None), {}
+    if spec.kind == "prompt_logprobs":
+        ids = a((n, spec.seq), jnp.int32)
+        return PROGRAMS.jit(_prompt_outputs), (a((n, spec.seq, vocab), jnp.float32), ids, ids), {}
+    raise ValueError(f"{spec.name!r} ({spec.kind}) is a model step or a drafter's program: tools/programs lowers it")
