@@ -111,7 +111,6 @@ class Engine:
     seed = property(lambda self: self.requests.seed)
     outputs = property(lambda self: self.requests.outputs, doc="RequestOutput by request id (until release)")
     waiting = property(lambda self: self.requests.waiting)
-    tokenizer = property(lambda self: self.output.tokenizer)
     slots = property(lambda self: self.pool.slots)
     history = property(lambda self: self.pool.history)
     prefix_cache = property(lambda self: self.pool.prefix_cache)
@@ -124,6 +123,15 @@ class Engine:
     @state.setter
     def state(self, value) -> None:
         self.pool.state = value
+
+    @property
+    def tokenizer(self):
+        """The tokenizer of text prompts, stop strings and RequestOutput.text (the output processor's; None: ids)."""
+        return self.output.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self.output.tokenizer = value
 
     @property
     def steps_per_bucket(self) -> dict[int, int]:
