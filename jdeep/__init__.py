@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from . import config_formats  # noqa: F401  (registers ModelConfig.from_dict / from_file / to_dict)
 from .config import ConfigError, ModelConfig
 from .io.checkpoint import CheckpointError
 from .model.load import load

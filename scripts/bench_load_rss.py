@@ -36,7 +36,7 @@ print(json.dumps({"baseline_rss": base, "peak_rss": status_bytes("VmHWM"), "fina
 
 def bench_config(target_gb: float) -> dict:
     """A V4-shaped config (head_dim 512, rope 64, fp8 128x128 blocks, fp4 experts) scaled to ~target_gb."""
-    from jdeep.presets import TINY_CONFIG
+    from jdeep.config.small_models import TINY_CONFIG
 
     layers = max(2, round(3 * target_gb))
     return dict(TINY_CONFIG, vocab_size=32768, hidden_size=2048, num_hidden_layers=layers,

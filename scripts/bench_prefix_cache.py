@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 import jdeep
-from jdeep.presets import BENCH_DEFAULT_CONFIG
+from jdeep.config.small_models import BENCH_DEFAULT_CONFIG
 from jdeep.runtime.engine import Engine
 from jdeep.runtime.sampling import SamplingParams
 from jdeep.tools.random_weights import random_checkpoint

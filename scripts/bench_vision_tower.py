@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from jdeep.model.vision import VisionTower
-from jdeep.presets import preset
+from jdeep.config.presets import preset
 from jdeep.vision.geometry import bucket
 from jdeep.vision.params import vision_tensors
 

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import jdeep
-from jdeep.presets import BENCH_DEFAULT_CONFIG
+from jdeep.config.small_models import BENCH_DEFAULT_CONFIG
 from jdeep.runtime.steps import batch_bucket, run_step
 from jdeep.tools.random_weights import random_checkpoint
 

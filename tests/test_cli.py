@@ -10,7 +10,7 @@ import numpy as np
 import jdeep
 from jdeep import SamplingParams
 from jdeep.cli import main
-from jdeep.presets import TINY_CONFIG, one_layer_config
+from jdeep.config.small_models import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.tools.random_weights import random_checkpoint
 
@@ -56,7 +56,7 @@ def test_info_reports_v41_flash_sizes(capsys):
 
 
 def test_convert_refuses_engram_models(tmp_path):
-    from jdeep.presets import tiny_v41_config
+    from jdeep.config.small_models import tiny_v41_config
 
     random_checkpoint(tiny_v41_config(), str(tmp_path / "m"), seed=1)
     try:
@@ -168,7 +168,7 @@ def test_chat_with_an_image(tmp_path, monkeypatch, capsys):
     from PIL import Image
 
     from jdeep.io.chat import FORMATS, encode_chat
-    from jdeep.presets import tiny_v41_config
+    from jdeep.config.small_models import tiny_v41_config
 
     random_checkpoint(tiny_v41_config(vision=True), str(tmp_path), seed=2)
     image = tmp_path / "img.png"

@@ -15,7 +15,8 @@ from jdeep import ConfigError, ModelConfig
 from jdeep.config import AttentionKind, RopeConfig, YarnConfig
 from jdeep.param_spec import layer_specs
 from jdeep.plan import build_plan, layer_kinds
-from jdeep.presets import PRESETS, TINY_CONFIG, preset
+from jdeep.config.presets import PRESETS, preset
+from jdeep.config.small_models import TINY_CONFIG
 
 # Same lookup as tests/conftest.py: ../shared/golden next to the repository, or $JDEEP_GOLDEN_DIR.
 GOLDEN = os.environ.get("JDEEP_GOLDEN_DIR",

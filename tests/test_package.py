@@ -16,10 +16,10 @@ LAZY_OK = {"nki", "torch", "transformers", "matplotlib", "openai"}
 # rank of each part of the package: a module imports only modules of its own rank or below
 RANKS = [
     ("jdeep.kernels", 0),
-    ("jdeep.config", 1), ("jdeep.config_json", 1), ("jdeep.config_formats", 1), ("jdeep.numerics", 1),
+    ("jdeep.config", 1), ("jdeep.numerics", 1),
     ("jdeep.plan", 1), ("jdeep.platforms", 1), ("jdeep.param_spec", 1), ("jdeep.arenas", 1), ("jdeep.state", 1),
     ("jdeep.sharding", 1), ("jdeep.io", 1),
-    ("jdeep.layers", 2), ("jdeep.presets", 2), ("jdeep.vision", 2),
+    ("jdeep.layers", 2), ("jdeep.vision", 2),
     ("jdeep.model", 3),
     ("jdeep.runtime", 4), ("jdeep.speculative", 4),
     ("jdeep.serve", 5), ("jdeep.tools", 5),

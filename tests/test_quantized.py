@@ -11,7 +11,7 @@ from jdeep.config import ConfigError
 from jdeep.io.trn2_rescale import halving_lut, trn2_rescale
 from jdeep.kernels import codecs
 from jdeep.kernels.linear import dequant
-from jdeep.presets import TINY_CONFIG
+from jdeep.config.small_models import TINY_CONFIG
 from jdeep.state import state_bytes
 from jdeep.tools.random_weights import random_checkpoint
 
@@ -127,7 +127,7 @@ def test_fp8_max_240_load_decodes_to_the_same_weights(qfolder):
 
 
 def test_param_bytes_stay_quantized():
-    from jdeep.presets import preset
+    from jdeep.config.presets import preset
     from jdeep.tools.info import param_bytes_by_dtype
 
     pb = param_bytes_by_dtype(preset("v4-flash"), "bfloat16")

@@ -19,7 +19,8 @@ from conftest import GOLDEN_DIR, REPO, golden_path
 import jdeep
 from jdeep.config import ModelConfig
 from jdeep.param_spec import padded_experts
-from jdeep.presets import one_layer_config, preset
+from jdeep.config.presets import preset
+from jdeep.config.small_models import one_layer_config
 from jdeep.sharding import AXES, Layout, make_mesh, parse_mesh
 from jdeep.tools.random_weights import random_checkpoint
 

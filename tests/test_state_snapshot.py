@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from jdeep.config import ModelConfig
-from jdeep.config_formats import parse_config
 from jdeep.plan import build_plan
-from jdeep.presets import TINY_CONFIG, tiny_v41_config
+from jdeep.config.small_models import TINY_CONFIG, tiny_v41_config
 from jdeep.state import SNAPSHOT_POOLS, empty_state, restore_slot, snapshot_slot
 
 MAX_LEN, BATCH = 512, 4
@@ -41,7 +40,7 @@ def _random_state(config: ModelConfig, seed: int) -> dict:
     return jax.tree_util.tree_map(fill, empty_state(config, build_plan(config), BATCH, MAX_LEN, jnp.float32))
 
 
-@pytest.mark.parametrize("config", [ModelConfig.from_dict(TINY_CONFIG), parse_config(tiny_v41_config())],
+@pytest.mark.parametrize("config", [ModelConfig.from_dict(TINY_CONFIG), ModelConfig.from_dict(tiny_v41_config())],
                          ids=["v4", "v41"])
 @pytest.mark.parametrize("n_tokens", [128, 256])
 def test_snapshot_and_restore_against_numpy(config, n_tokens):
@@ -75,7 +74,7 @@ def test_snapshot_and_restore_against_numpy(config, n_tokens):
 def test_pool_entries_follow_the_compress_ratio():
     """V4's ratio-4 and ratio-128 pools keep n_tokens / 4 and n_tokens / 128 entries; V4.1's ratio-1 source keeps one
     entry per token."""
-    for config in (ModelConfig.from_dict(TINY_CONFIG), parse_config(tiny_v41_config())):
+    for config in (ModelConfig.from_dict(TINY_CONFIG), ModelConfig.from_dict(tiny_v41_config())):
         state = jax.eval_shape(lambda: empty_state(config, build_plan(config), BATCH, MAX_LEN, jnp.float32))
         snap = jax.eval_shape(lambda s: snapshot_slot(s, jnp.int32(0), n_tokens=256, max_len=MAX_LEN), state)
         got = {MAX_LEN // (a.shape[2] - 1): s.shape[2] for (k, a), (_, s) in zip(_named(state), _named(snap))

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 on seeded random checkpoints (jdeep.presets.tiny_v41_config: every V4.1 layer kind,
+"""DeepSeek-V4.1 on seeded random checkpoints (jdeep.config.small_models.tiny_v41_config: every V4.1 layer kind,
 geometry different from the golden): cached decode of a ragged batch with chunked prefill equals a
 no-cache forward; a checkpoint whose Engram tables are several times the machine's RAM loads and reads
 only the rows it uses; drafter / vision tensors load; bad checkpoints fail with clear errors."""
@@ -15,7 +15,7 @@ import pytest
 
 import jdeep
 from jdeep.io.safetensors import write_safetensors
-from jdeep.presets import tiny_v41_config
+from jdeep.config.small_models import tiny_v41_config
 from jdeep.tools.memory import status_bytes
 from jdeep.tools.random_weights import random_checkpoint
 

@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..io.chat import FORMATS
-from ..presets import PRESET_NAMES
+from ..config.presets import PRESET_NAMES
 from ..serve.lockstep import PEER_TIMEOUT_S
 from ..tools.bench import PREFILL_CHUNK
 from ..tools.programs import SERVING_BATCH_SIZES, SERVING_PREFILL_LEN, SERVING_PREFILL_TOKENS

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..io.tokenizer import Tokenizer
 from ..platforms import cache_xla_flags
-from ..presets import PRESET_NAMES
+from ..config.presets import PRESET_NAMES
 from ..runtime.sampling import SamplingParams
 from ..speculative.config import parse_speculative
 

@@ -21,7 +21,8 @@ from ..io.convert import save_converted
 from ..io.tokenizer import Tokenizer
 from ..model.weights import from_cpu_bf16
 from ..param_spec import weight_formats
-from ..presets import BENCH_DEFAULT_CONFIG, TINY_CONFIG, preset, tiny_v41_config
+from ..config.presets import preset
+from ..config.small_models import BENCH_DEFAULT_CONFIG, TINY_CONFIG, tiny_v41_config
 from ..runtime.sampling import SamplingParams
 from ..sharding import parse_mesh
 from ..speculative.config import parse_speculative

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..presets import PRESET_NAMES
+from ..config.presets import PRESET_NAMES
 from ..tools.doctor.report import summary, write_report
 from ..tools.doctor.run import STEPS, DoctorOptions, run_doctor
 from .args import parse_ints

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..arenas import is_packed
 from ..config import ModelConfig
 from ..numerics import Numerics
 from ..plan import LayerPlan, build_plan
@@ -34,7 +35,6 @@ class ModelSpec:
     @classmethod
     def of(cls, model) -> "ModelSpec":
         """A loaded model's spec (Model.spec)."""
-        from ..arenas import is_packed
         return cls(model.config, model.plan, model.numerics, model.dtype, model.compile_mode,
                    model.host_embed is not None, is_packed(model.params), model.layout)
 

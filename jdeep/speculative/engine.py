@@ -3,16 +3,15 @@
 Each iteration every decoding request drafts k tokens, the target verifies them and the request takes up to k + 1
 tokens; prefill chunks also feed the drafter, so a request's first iteration drafts from its prompt. What is
 method-specific (the drafter's per-slot state and its programs) is a drafter.Drafter: MTP (DeepSeek-V4,
-mtp_drafter.py) or DSpark (DeepSeek-V4.1, dspark_drafter.py). Everything else is the plain Engine's: requests, slots
-and their compaction, the scheduler (a decoding request counts k + 1 positions against the token budget), sampling
-rows, delivery and stop strings. Two of the engine's parts are replaced: the slot pool
-(`DraftingSlotPool`) holds the drafter's state beside the target's (`dstate`) and moves, resets and reallocates both
-together, and a prefix-cache snapshot holds both (Drafter.snapshot); the runner (`SpeculativeRunner`) runs the
-drafter's prefill and draft-verify-finish programs. The host keeps each
-request's last token, position and count, checks stop ids, max_new_tokens and stop strings, and ends a request at the
-first of them (accepted tokens past it are dropped; its slot is freed). logit_bias and min_tokens apply at every
-verified position, logprobs come from the target's logits at each emitted one (acceptance.py); penalties and prompt
-logprobs are refused by name (docs/speculative.md's feature matrix).
+mtp_drafter.py) or DSpark (DeepSeek-V4.1, dspark_drafter.py). Everything else is the plain Engine's: its request
+table, scheduler (a decoding request counts k + 1 positions against the token budget) and output processor
+(delivery, stop strings: a request ends at the first stop id, max_new_tokens or stop string, accepted tokens past it
+dropped). Two of the engine's parts are replaced: the slot pool (`DraftingSlotPool`) holds the drafter's state beside
+the target's (`dstate`) and moves, resets, reallocates and snapshots both together (Drafter.snapshot), and the runner
+(`SpeculativeRunner`) runs the drafter's prefill and draft-verify-finish programs and lists them in the engine's
+inventory. logit_bias and min_tokens apply at every verified position, logprobs come from the target's logits at each
+emitted one (acceptance.py); penalties and prompt logprobs are refused by name (docs/speculative.md's feature
+matrix).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from ..param_spec import (F32, FP4, FP8, FP8_DEQUANT, INDEX, TensorSpec, dspark_
                           engram_table_specs, layer_specs, mtp_specs, top_specs)
 from ..plan import layer_kinds, mtp_depths
 from ..vision.params import random_vision_tensors
-from ..presets import TINY_CONFIG, deep_tiny_config, one_layer_config, tiny_v41_config
+from ..config.small_models import TINY_CONFIG, deep_tiny_config, one_layer_config, tiny_v41_config
 
 __all__ = ["TINY_CONFIG", "deep_tiny_config", "one_layer_config", "tiny_v41_config", "random_tensor", "random_checkpoint",
            "write_word_tokenizer"]

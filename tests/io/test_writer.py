@@ -12,7 +12,7 @@ from jdeep.io.safetensors import CheckpointReader
 from jdeep.io.writer import float_config, named_tensors, quantize_weight, write_checkpoint
 from jdeep.param_spec import FP4, FP4_BLOCK, FP8, FP8_DEQUANT, TensorSpec, expected_tensors
 from jdeep.plan import build_plan
-from jdeep.presets import TINY_CONFIG
+from jdeep.config.small_models import TINY_CONFIG
 from jdeep.tools.mtp_eval import window_logits
 from jdeep.tools.random_weights import random_checkpoint
 

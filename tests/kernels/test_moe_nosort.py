@@ -16,7 +16,8 @@ from jdeep.kernels.reference import (expert_groups, expert_groups_nosort, moe_ex
                                      moe_experts_grouped, moe_experts_grouped_nosort)
 from jdeep.layers.moe import _local_routed_op, _routed_op
 from jdeep.numerics import Numerics
-from jdeep.presets import TINY_CONFIG, preset
+from jdeep.config.presets import preset
+from jdeep.config.small_models import TINY_CONFIG
 from jdeep.tools.graphcheck import check_lowered
 
 LIMIT = 2.5

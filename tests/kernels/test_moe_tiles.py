@@ -16,7 +16,7 @@ from jdeep.config import ModelConfig
 from jdeep.kernels.reference import (expert_groups, expert_groups_nosort, moe_experts_grouped,
                                      moe_experts_grouped_nosort)
 from jdeep.numerics import Numerics
-from jdeep.presets import TINY_CONFIG
+from jdeep.config.small_models import TINY_CONFIG
 from jdeep.tools.graphcheck import check_lowered
 
 from test_moe_nosort import LIMIT, _case, oracle

@@ -19,7 +19,7 @@ from jdeep.layers.chunk import make_chunk
 from jdeep.layers.indexer import index_select
 from jdeep.layers.moe import route
 from jdeep.numerics import Numerics
-from jdeep.presets import preset
+from jdeep.config.presets import preset
 
 
 def close(actual, expected, rtol=1e-5, atol=1e-5):

@@ -11,7 +11,7 @@ import pytest
 
 import jdeep
 from jdeep.model.cache import ProgramCache
-from jdeep.presets import one_layer_config
+from jdeep.config.small_models import one_layer_config
 from jdeep.tools.graphcheck import check_lowered
 from jdeep.tools.programs import Target, model_programs
 from jdeep.tools.random_weights import random_checkpoint

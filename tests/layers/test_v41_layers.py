@@ -14,7 +14,7 @@ from jdeep.layers.engram import decode_rows, engram_update
 from jdeep.layers.moe import route
 from jdeep.layers.shared_attention import candidate_blocks, candidate_mask
 from jdeep.numerics import Numerics
-from jdeep.presets import preset
+from jdeep.config.presets import preset
 
 
 # ------------------------------------------------------------------------------ Qfp4e4 (compressed KV)

@@ -16,7 +16,7 @@ from jdeep.model import model_step
 from jdeep.model.cache import PROGRAMS
 from jdeep.param_spec import abstract_params
 from jdeep.plan import build_plan
-from jdeep.presets import TINY_CONFIG, deep_tiny_config
+from jdeep.config.small_models import TINY_CONFIG, deep_tiny_config
 from jdeep.state import init_state
 from jdeep.tools.random_weights import random_checkpoint
 
@@ -99,7 +99,7 @@ def test_repeated_generate_does_not_recompile(tiny_model):
 def _v41_config(pairs: int) -> ModelConfig:
     """tiny_v41_config's first 5 layers (sliding, Engram, ratio-2 source, reuse, own index + Engram), then
     `pairs` x (reuse, own index) at ratio 2, a ratio-1 candidate source, `pairs` x (reuse, restricted index)."""
-    from jdeep.presets import tiny_v41_config
+    from jdeep.config.small_models import tiny_v41_config
 
     raw = tiny_v41_config()
     r1 = 5 + 2 * pairs

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jdeep
-from jdeep.presets import TINY_CONFIG
+from jdeep.config.small_models import TINY_CONFIG
 from jdeep.tools.random_weights import random_checkpoint
 
 CONFIGS = {

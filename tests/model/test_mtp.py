@@ -20,7 +20,8 @@ from jdeep.model.mtp import empty_mtp_state, mtp_step
 from jdeep.numerics import Numerics
 from jdeep.param_spec import leaf_plan
 from jdeep.plan import build_plan
-from jdeep.presets import TINY_CONFIG, preset
+from jdeep.config.presets import preset
+from jdeep.config.small_models import TINY_CONFIG
 from jdeep.tools.random_weights import random_checkpoint
 
 CFG = dict(TINY_CONFIG, num_hidden_layers=2, num_hash_layers=1, num_nextn_predict_layers=1,

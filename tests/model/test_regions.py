@@ -10,7 +10,7 @@ from conftest import golden_path
 import jdeep
 from jdeep.config import ModelConfig
 from jdeep.model.regions import n_compiled
-from jdeep.presets import TINY_CONFIG, deep_tiny_config
+from jdeep.config.small_models import TINY_CONFIG, deep_tiny_config
 from jdeep.tools.random_weights import random_checkpoint
 
 TOL = 1e-5

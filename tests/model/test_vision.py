@@ -10,7 +10,7 @@ from PIL import Image
 
 import jdeep
 from jdeep.model.vision import chunk_embeds
-from jdeep.presets import tiny_v41_config
+from jdeep.config.small_models import tiny_v41_config
 from jdeep.runtime.generate import prefill
 from jdeep.runtime.images import IMAGE_PLACEHOLDER, expand_image_prompt
 from jdeep.runtime.requests import RequestError

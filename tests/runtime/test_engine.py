@@ -10,7 +10,7 @@ import pytest
 
 import jdeep
 from jdeep import SamplingParams
-from jdeep.presets import TINY_CONFIG, one_layer_config
+from jdeep.config.small_models import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.tools.random_weights import random_checkpoint, write_word_tokenizer
 

@@ -10,7 +10,7 @@ from PIL import Image
 
 import jdeep
 from jdeep import SamplingParams
-from jdeep.presets import tiny_v41_config
+from jdeep.config.small_models import tiny_v41_config
 from jdeep.runtime.engine import Engine
 from jdeep.runtime.images import IMAGE_PLACEHOLDER
 from jdeep.tools.random_weights import random_checkpoint

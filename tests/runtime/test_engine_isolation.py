@@ -10,7 +10,7 @@ import pytest
 
 import jdeep
 from jdeep import SamplingParams
-from jdeep.presets import TINY_CONFIG, one_layer_config
+from jdeep.config.small_models import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.runtime.output_processor import OutputProcessor
 from jdeep.runtime.runner import Runner

@@ -13,7 +13,7 @@ import pytest
 
 import jdeep
 from jdeep import SamplingParams
-from jdeep.presets import one_layer_config
+from jdeep.config.small_models import one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.runtime.requests import RequestError, check_request
 from jdeep.runtime.sampling import PenaltyState, adjusted_logits, batch_params, sample, token_logprobs

@@ -17,7 +17,7 @@ import pytest
 import jdeep
 from jdeep import SamplingParams
 from jdeep.cli import build_parser
-from jdeep.presets import TINY_CONFIG, one_layer_config
+from jdeep.config.small_models import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.serve.server import ServerSettings, background_server
 from jdeep.tools.random_weights import random_checkpoint

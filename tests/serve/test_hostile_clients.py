@@ -15,7 +15,7 @@ import urllib.parse
 import pytest
 
 import jdeep
-from jdeep.presets import TINY_CONFIG, one_layer_config
+from jdeep.config.small_models import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.serve.server import ServerSettings, background_server
 from jdeep.tools.random_weights import random_checkpoint, write_word_tokenizer

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 
 import jdeep
-from jdeep.presets import one_layer_config
+from jdeep.config.small_models import one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.serve.server import ServerSettings, background_server
 from jdeep.tools.random_weights import random_checkpoint

@@ -20,7 +20,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 import jdeep
 from jdeep.io.tokenizer import Tokenizer
-from jdeep.presets import TINY_CONFIG, one_layer_config
+from jdeep.config.small_models import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.runtime.requests import check_request
 from jdeep.runtime.sampling import batch_params

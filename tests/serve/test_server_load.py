@@ -16,7 +16,7 @@ import pytest
 
 import jdeep
 from jdeep import SamplingParams
-from jdeep.presets import TINY_CONFIG, one_layer_config
+from jdeep.config.small_models import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.serve.server import ServerSettings, background_server
 from jdeep.tools.loadgen import make_requests, run_load, summarize

@@ -15,7 +15,7 @@ from PIL import Image
 import jdeep
 from jdeep.io.chat import FORMATS, encode_chat
 from jdeep.runtime.engine import Engine
-from jdeep.presets import tiny_v41_config
+from jdeep.config.small_models import tiny_v41_config
 from jdeep.serve.server import ServerSettings, background_server
 from jdeep.tools.random_weights import random_checkpoint, write_word_tokenizer
 

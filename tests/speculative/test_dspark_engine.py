@@ -20,7 +20,7 @@ import jdeep
 from conftest import golden_path
 from jdeep import SamplingParams
 from jdeep.cli import build_parser
-from jdeep.presets import tiny_v41_config
+from jdeep.config.small_models import tiny_v41_config
 from jdeep.runtime.engine import Engine
 from jdeep.runtime.inventory import total_programs
 from jdeep.speculative import dspark_decode, dspark_drafter

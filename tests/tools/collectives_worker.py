@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jdeep  # noqa: E402
 from jdeep.config import ModelConfig  # noqa: E402
-from jdeep.presets import deep_tiny_config  # noqa: E402
+from jdeep.config.small_models import deep_tiny_config  # noqa: E402
 from jdeep.tools.random_weights import random_checkpoint  # noqa: E402
 from jdeep.tools.collectives import result_to_json, step_collectives  # noqa: E402
 

@@ -9,7 +9,7 @@ import pytest
 
 import jdeep
 from jdeep.cli import main
-from jdeep.presets import one_layer_config
+from jdeep.config.small_models import one_layer_config
 from jdeep.tools.bench import _chunk_lengths, _run_one, bench_prompts
 from jdeep.tools.random_weights import random_checkpoint
 

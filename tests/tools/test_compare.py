@@ -105,7 +105,7 @@ def test_missing_tensor_fails_loudly(tmp_path):
 
 
 def test_quantized_and_v41_checkpoints_are_refused():
-    from jdeep.presets import tiny_v41_config
+    from jdeep.config.small_models import tiny_v41_config
 
     q = dict(_shrunk_bench_small(), quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(ValueError, match="unquantized"):

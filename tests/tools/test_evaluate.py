@@ -12,7 +12,7 @@ import pytest
 
 import jdeep
 from jdeep.cli import main
-from jdeep.presets import TINY_CONFIG, one_layer_config
+from jdeep.config.small_models import TINY_CONFIG, one_layer_config
 from jdeep.tools.evaluate import EvalError, TokenStats, compare, read_texts, score_text, windows
 from jdeep.tools.random_weights import random_checkpoint, write_word_tokenizer
 

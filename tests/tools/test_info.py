@@ -13,7 +13,7 @@ from conftest import golden_path
 from jdeep.cli import main
 from jdeep.config import ModelConfig
 from jdeep.plan import build_plan
-from jdeep.presets import preset
+from jdeep.config.presets import preset
 from jdeep.sharding import AXES
 from jdeep.state import state_bytes
 from jdeep.tools.info import abstract_layout, device_footprint, mesh_summary, param_bytes_by_dtype

@@ -14,7 +14,7 @@ import pytest
 import jdeep
 from jdeep.model.mtp import empty_mtp_state, mtp_step
 from jdeep.model.scan import model_step
-from jdeep.presets import TINY_CONFIG
+from jdeep.config.small_models import TINY_CONFIG
 from jdeep.state import empty_state
 from jdeep.tools.mtp_eval import mtp_accuracy
 from jdeep.tools.random_weights import random_checkpoint

@@ -17,7 +17,7 @@ from conftest import golden_path
 
 import jdeep
 from jdeep.cli import main
-from jdeep.presets import TINY_CONFIG
+from jdeep.config.small_models import TINY_CONFIG
 from jdeep.tools.export import call_exported, load_exported
 from jdeep.tools.graphcheck import Limits, check_lowered
 from jdeep.tools.programs import Target, model_programs, step_inputs
@@ -161,7 +161,7 @@ def test_check_graph_and_export_walk_the_engines_program_inventory(tmp_path, cap
     tests/runtime/test_engine.py) — by name and in order, from the config alone. The model steps pass Neuron's
     compile-safety rules; the host-driven samplers do not (threefry PRNG, uint64 iotas: S10, S13, S18), nor does
     the slot reset (a select over the whole donated state: S20)."""
-    from jdeep.presets import one_layer_config
+    from jdeep.config.small_models import one_layer_config
     from jdeep.runtime.engine import Engine
 
     path = tmp_path / "m"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jdeep
-from jdeep.presets import TINY_CONFIG
+from jdeep.config.small_models import TINY_CONFIG
 from jdeep.tools.random_weights import random_checkpoint
 from jdeep.tools.train import lm_loss, make_train_step, merge, split_trainable, train_losses
 

@@ -9,7 +9,8 @@ import json
 import numpy as np
 
 from jdeep.cli import main
-from jdeep.presets import preset, tiny_v41_config
+from jdeep.config.presets import preset
+from jdeep.config.small_models import tiny_v41_config
 from jdeep.tools.graphcheck import Limits, check_lowered
 from jdeep.tools.programs import Target
 from jdeep.tools.vision_programs import tower_buckets, vision_programs

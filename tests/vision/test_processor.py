@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from jdeep.config import ModelConfig, VisionConfig
-from jdeep.presets import tiny_v41_config
+from jdeep.config.small_models import tiny_v41_config
 from jdeep.vision import processor
 from jdeep.vision.processor import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, ImageError, num_image_tokens,
                                     plan_image_grid, process_image, span_types)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jdeep.config import ModelConfig
-from jdeep.presets import tiny_v41_config
+from jdeep.config.small_models import tiny_v41_config
 from jdeep.vision.geometry import tower_inputs
 from jdeep.vision.params import random_vision_tensors, vision_tree
 from jdeep.vision.processor import ImagePatches

@@ -22,7 +22,7 @@ import numpy as np
 from ...config import ModelConfig
 from ...model.load import load
 from ...platforms import neuron_generation
-from ...presets import preset
+from ...config.presets import preset
 from ..graphcheck import check_lowered
 from ..programs import Target, chunk_buckets, model_programs
 from . import numerics, speed

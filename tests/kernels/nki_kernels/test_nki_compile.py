@@ -32,7 +32,7 @@ def test_the_nki_compiler_accepts_every_kernel_a_model_step_calls(monkeypatch):
     from jdeep.param_spec import abstract_params
     from jdeep.plan import build_plan
     from jdeep.platforms import logical_nc_config
-    from jdeep.presets import TINY_CONFIG, tiny_v41_config
+    from jdeep.config.small_models import TINY_CONFIG, tiny_v41_config
     from jdeep.state import init_state
     from jdeep.tools.kernel_artifacts import kernel_refs
 

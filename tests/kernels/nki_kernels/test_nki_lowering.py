@@ -34,7 +34,7 @@ from jdeep.numerics import Numerics
 from jdeep.param_spec import abstract_params
 from jdeep.plan import build_plan
 from jdeep.platforms import logical_nc_config
-from jdeep.presets import TINY_CONFIG, one_layer_config, tiny_v41_config
+from jdeep.config.small_models import TINY_CONFIG, one_layer_config, tiny_v41_config
 from jdeep.state import init_state
 from jdeep.tools import programs as graphs
 from jdeep.tools.export import export_programs, load_exported, model_info

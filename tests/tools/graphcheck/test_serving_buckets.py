@@ -19,7 +19,8 @@ import pytest
 from conftest import golden_path
 from jdeep.cli import build_parser, main
 from jdeep.model.cache import ProgramCache
-from jdeep.presets import PRESET_NAMES, TINY_CONFIG, preset
+from jdeep.config.presets import PRESET_NAMES, preset
+from jdeep.config.small_models import TINY_CONFIG
 from jdeep.tools.graphcheck import RULES, check_lowered
 from jdeep.tools.programs import (SERVING_BATCH_SIZES, SERVING_PREFILL_LEN, SERVING_PREFILL_TOKENS, Target,
                                   chunk_buckets, model_programs)

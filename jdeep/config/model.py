@@ -1,8 +1,8 @@
 """Typed, validated model configuration for the DeepSeek-V4 family: the frozen dataclasses that describe one
 model's architecture, checked on construction (`ConfigError` names the offending field).
 
-Reading and writing config.json (`ModelConfig.from_file`, `from_dict`, `to_dict`) is jdeep.config_formats;
-the named sizes (released models, test and benchmark models) are jdeep.presets.
+Reading and writing config.json (`ModelConfig.from_file`, `from_dict`, `to_dict`) is config/formats.py; the
+released models' sizes are config/presets.py, the small random-weight models' config/small_models.py.
 """
 
 from __future__ import annotations
@@ -11,170 +11,14 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-__all__ = ["ConfigError", "YarnConfig", "RopeConfig", "SharingConfig", "EngramConfig", "DSparkConfig", "VisionConfig",
-           "ModelConfig"]
+from .formats import config_fields, config_to_dict, read_config_json
+from .parts import (AttentionKind, ConfigError, DSparkConfig, EngramConfig, RopeConfig, SharingConfig, VisionConfig,
+                    YarnConfig)
 
-
-class ConfigError(ValueError):
-    """A config.json is malformed or inconsistent; the message names the field."""
-
-
-@dataclass(frozen=True)
-class YarnConfig:
-    """YaRN frequency interpolation (model-spec.md §3.2). No attention-temperature factor."""
-
-    factor: float
-    original_seq_len: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    yarn: YarnConfig | None = None
-
-
-# Which attention a layer runs. `ratio == 0`: sliding window only. `ratio > 0`: compressed KV with
-# that ratio; `overlap` pools 2*ratio tokens per entry and implies a lightning indexer (V4's ratio-4
-# "CSA" layers); without overlap all visible compressed entries are attended ("HCA").
-@dataclass(frozen=True)
-class AttentionKind:
-    ratio: int
-    overlap: bool = False
-
-    @property
-    def has_indexer(self) -> bool:
-        return self.overlap
-
-    @property
-    def name(self) -> str:
-        if self.ratio == 0:
-            return "sliding"
-        return f"{'csa' if self.overlap else 'hca'}{self.ratio}"
-
-
-@dataclass(frozen=True)
-class SharingConfig:
-    """V4.1 cross-layer sharing (model-spec.md §5.4-§5.5). Layer ids are backbone layers.
-
-    kv_sources own a compressor, the compressed KV and the index keys; every compressed layer reads the
-    caches of the latest KV source at or before it. index_sources run an indexer (over their KV source's
-    index keys) and publish its top-k; the other compressed layers reuse the latest published top-k.
-    The candidate source also builds a block candidate mask that later index sources of the same KV
-    source apply before their top-k.
-    """
-
-    kv_sources: tuple[int, ...]
-    index_sources: tuple[int, ...]
-    candidate_source: int | None = None
-    candidate_topk_blocks: int = 2048
-    candidate_block_size: int = 8
-
-
-@dataclass(frozen=True)
-class EngramConfig:
-    """V4.1 Engram conditional memory (model-spec.md §5.7)."""
-
-    layer_ids: tuple[int, ...]
-    num_embeddings: tuple[int, ...]   # table rows per Engram layer
-    max_ngram_size: int               # n-grams of order 2..max_ngram_size
-    n_heads: int
-    head_dim: int
-    vocab_size: int                   # hash primes are the primes >= this
-    pad_id: int                       # token id whose class pads the history
-    compressed_vocab_size: int        # classes of the compressed token map
-
-    @property
-    def rows_per_token(self) -> int:
-        return (self.max_ngram_size - 1) * self.n_heads
-
-
-@dataclass(frozen=True)
-class DSparkConfig:
-    """V4.1 / V4-Flash-0731 DSpark drafter fields (model-spec.md §5.8); its tensors are loaded, not run."""
-
-    n_layers: int
-    block_size: int
-    noise_token_id: int | None = None
-    markov_rank: int | None = None
-    n_routed_experts: int = 0
-    n_activated_experts: int = 0
-    target_layer_ids: tuple[int, ...] = ()
-
-
-# HF vision_config key -> VisionConfig field; DeepSeek's ModelArgs spell them vision_<field> (config_formats strips
-# the prefix), with max_n_token for max_image_tokens.
-_VISION_KEYS = {"num_hidden_layers": "n_layers", "hidden_size": "dim", "num_attention_heads": "n_heads",
-                "intermediate_size": "inter_dim", "patch_size": "patch_size", "rope_theta": "rope_theta",
-                "downsample_ratio": "downsample_ratio", "max_image_tokens": "max_tokens", "min_pixels": "min_pixels",
-                "max_wh_ratio": "max_wh_ratio", "max_n_token": "max_tokens"}
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    """V4.1's vision tower (model-spec.md §5.9): a ViT of `n_layers` blocks over patch_size² RGB patches and a
-    downsample_ratio² aligner into the text model. Defaults are DeepSeek's ModelArgs. An image span counts at most
-    `max_tokens` positions (delimiters included); smaller images are scaled up to `min_pixels`; `max_wh_ratio`
-    (None in V4.1) makes wider images stretch instead of pad. `norm_eps` is the ViT's RMSNorm epsilon (not in
-    config.json)."""
-
-    n_layers: int = 32
-    dim: int = 1024
-    n_heads: int = 16
-    inter_dim: int = 2816
-    patch_size: int = 14
-    rope_theta: float = 10000.0
-    downsample_ratio: int = 3
-    max_tokens: int = 1024
-    min_pixels: int = 544 * 544
-    max_wh_ratio: float | None = None
-    norm_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        for name in ("n_layers", "dim", "n_heads", "inter_dim", "patch_size", "downsample_ratio", "max_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"vision_config.{name} must be a positive integer, got {v!r}")
-        if self.dim % self.n_heads or (self.dim // self.n_heads) % 4:
-            raise ConfigError(f"vision_config: hidden_size {self.dim} over {self.n_heads} heads must give a head "
-                              "size divisible by 4 (its 2-D RoPE splits it into row and column halves)")
-        if self.max_tokens < 4:
-            raise ConfigError(f"vision_config.max_image_tokens must be >= 4 (one image row), got {self.max_tokens}")
-        if isinstance(self.min_pixels, bool) or not isinstance(self.min_pixels, int) or self.min_pixels < 0:
-            raise ConfigError(f"vision_config.min_pixels must be an integer >= 0, got {self.min_pixels!r}")
-        for name in ("rope_theta", "norm_eps") + (("max_wh_ratio",) if self.max_wh_ratio is not None else ()):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ConfigError(f"vision_config.{name} must be a positive finite number, got {v!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def patch_values(self) -> int:
-        """Values of one flattened patch: 3 channels x patch_size²."""
-        return 3 * self.patch_size ** 2
-
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any]) -> "VisionConfig":
-        """From an HF `vision_config` object or DeepSeek's ModelArgs fields without their `vision_` prefix."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        args = {}
-        for k, v in raw.items():
-            key = _VISION_KEYS.get(k, k)
-            if key in names and v is not None or key == "max_wh_ratio":
-                args[key] = v
-        return cls(**args)
-
-    def to_hf(self) -> dict[str, Any]:
-        """The HF `vision_config` object that from_mapping reads back to an equal config."""
-        out = {"model_type": "deepseek_v41_vision"}
-        out.update({hf: getattr(self, f) for hf, f in _VISION_KEYS.items() if hf != "max_n_token"})
-        return out
+__all__ = ["ConfigError", "YarnConfig", "RopeConfig", "AttentionKind", "SharingConfig", "EngramConfig", "DSparkConfig",
+           "VisionConfig", "ModelConfig"]
 
 
 @dataclass(frozen=True)
@@ -368,34 +212,17 @@ class ModelConfig:
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
-    # ------------------------------------------------------------------ config.json (jdeep.config_formats)
+    # ------------------------------------------------------------------ config.json (config/formats.py)
     def to_dict(self) -> dict[str, Any]:
         """A DeepSeek-style HF config.json that `from_dict` reads back to an equal config."""
-        return _format("to_dict")(self)
+        return config_to_dict(self)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> ModelConfig:
         """Read `config.json` (or a folder holding one)."""
-        return _format("load")(path)
+        return cls.from_dict(read_config_json(path))
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ModelConfig:
-        """Any of the config.json spellings (jdeep.config_formats)."""
-        return _format("parse")(raw)
-
-
-# jdeep.config_formats builds the classes above, so it imports this module (not the other way round) and
-# registers its parser and serialiser here when imported; jdeep/__init__ imports it.
-_FORMATS: dict[str, Callable[..., Any]] = {}
-
-
-def register_formats(*, parse: Callable[[Mapping[str, Any]], ModelConfig], load: Callable[..., ModelConfig],
-                     to_dict: Callable[[ModelConfig], dict[str, Any]]) -> None:
-    """Install the entry points behind `ModelConfig.from_dict`, `from_file` and `to_dict`."""
-    _FORMATS.update(parse=parse, load=load, to_dict=to_dict)
-
-
-def _format(name: str) -> Callable[..., Any]:
-    if name not in _FORMATS:
-        raise RuntimeError("jdeep.config_formats is not imported (importing the jdeep package imports it)")
-    return _FORMATS[name]
+        """Any of the config.json spellings (config/formats.py), validated."""
+        return cls(**config_fields(raw))
