@@ -356,7 +356,7 @@ def _q_interval(lo, hi, numerics, dtype, quantized):
     return np.minimum(*cands_lo).reshape(lo.shape), np.maximum(*cands_hi).reshape(hi.shape)
 
 
-_act = jax.jit(reference._act, static_argnums=(1, 2))
+_act = jax.jit(reference.moe_input, static_argnums=(1, 2))
 
 
 def _bound(x, idx, weight, W1, W2, W3, layer, numerics, dtype, quantized) -> np.ndarray:
