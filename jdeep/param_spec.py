@@ -122,11 +122,9 @@ def top_specs(c: ModelConfig) -> list[TensorSpec]:
 def weight_formats(c: ModelConfig) -> tuple[str, str, tuple[int, int]]:
     """(dense fp8 format, routed-expert format, fp8 weight block) for a config's checkpoint."""
     q = c.quantization
-    if not q or q.get("quant_method", "fp8") != "fp8":
+    if q is None or not q.fp8:
         return FLOAT, FLOAT, (128, 128)
-    block = tuple(q.get("weight_block_size", (128, 128)))
-    expert = FP4 if q.get("expert_dtype") == "fp4" else FP8
-    return FP8, expert, (int(block[0]), int(block[1]))
+    return FP8, FP4 if q.expert_dtype == "fp4" else FP8, q.weight_block_size
 
 
 def layer_specs(c: ModelConfig, kind: LayerKind) -> list[TensorSpec]:

@@ -109,8 +109,8 @@ def test_deepseek_hf_spelling():
     assert c.rope_head_dim == 64 and c.head_dim == 128
     assert c.rope_main == RopeConfig(10000.0, None)
     assert c.rope_compress == RopeConfig(160000.0, YarnConfig(4.0, 64, 32.0, 1.0))
-    assert c.quantization["quant_method"] == "fp8"
-    assert c.quantization["expert_dtype"] == "fp4"
+    assert c.quantization.quant_method == "fp8" and c.quantization.fp8
+    assert c.quantization.expert_dtype == "fp4"
 
 
 ARCH_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)
@@ -460,7 +460,7 @@ def test_v41_golden_config():
     assert c.engram.num_embeddings == tuple(text["engram_num_embeddings"])
     assert [k.ratio for k in c.attention_kinds] == text["compress_ratios"][:c.n_layers]
     assert not any(k.overlap for k in c.attention_kinds)
-    assert c.quantization["weight_block_size"] == [32, 32]
+    assert c.quantization.weight_block_size == (32, 32)
     assert ModelConfig.from_dict(c.to_dict()) == c
 
 

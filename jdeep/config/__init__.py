@@ -4,9 +4,9 @@ checked on construction), config.json's spellings read and written (formats.py),
 
 from __future__ import annotations
 
-from .model import (AttentionKind, ConfigError, DSparkConfig, EngramConfig, ModelConfig, RopeConfig, SharingConfig,
-                    VisionConfig, YarnConfig)
+from .model import (AttentionKind, ConfigError, DSparkConfig, EngramConfig, ModelConfig, QuantizationConfig,
+                    RopeConfig, SharingConfig, VisionConfig, YarnConfig)
 from .presets import PRESET_NAMES, PRESETS, preset
 
 __all__ = ["ModelConfig", "ConfigError", "AttentionKind", "RopeConfig", "YarnConfig", "SharingConfig", "EngramConfig",
-           "DSparkConfig", "VisionConfig", "PRESETS", "PRESET_NAMES", "preset"]
+           "DSparkConfig", "VisionConfig", "QuantizationConfig", "PRESETS", "PRESET_NAMES", "preset"]

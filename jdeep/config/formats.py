@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from .fields import from_model_args, number, optional, required
 from .formats_v41 import V41_KEYS, flatten_v41, v41_dict, v41_fields
-from .parts import AttentionKind, ConfigError, RopeConfig, YarnConfig
+from .parts import AttentionKind, ConfigError, QuantizationConfig, RopeConfig, YarnConfig
 
 __all__ = ["config_fields", "read_config_json", "config_to_dict"]
 
@@ -209,6 +209,7 @@ def config_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
         quant = dict(quant or {})
         if raw.get("expert_dtype") is not None:
             quant.setdefault("expert_dtype", raw["expert_dtype"])
+        quant = QuantizationConfig.from_hf(quant)
 
     known = set(_IGNORED_KEYS) | {
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
@@ -317,7 +318,7 @@ def config_to_dict(config: Any) -> dict[str, Any]:
         d["rope_scaling"] = {"type": "yarn", "factor": y.factor, "original_max_position_embeddings": y.original_seq_len,
                              "beta_fast": y.beta_fast, "beta_slow": y.beta_slow}
     if config.quantization is not None:
-        d["quantization_config"] = dict(config.quantization)
+        d["quantization_config"] = config.quantization.to_hf()
     if config.is_v41:
         return v41_dict(config, d, ratios)
     return d

@@ -134,5 +134,5 @@ def v41_dict(config: Any, d: dict[str, Any], ratios: list[int]) -> dict[str, Any
     if config.vision is not None:
         out["vision_config"] = config.vision.to_hf()
     if config.quantization is not None:
-        out["quantization_config"] = dict(config.quantization)
+        out["quantization_config"] = config.quantization.to_hf()
     return out

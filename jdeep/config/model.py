@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .formats import config_fields, config_to_dict, read_config_json
-from .parts import (AttentionKind, ConfigError, DSparkConfig, EngramConfig, RopeConfig, SharingConfig, VisionConfig,
-                    YarnConfig)
+from .parts import (AttentionKind, ConfigError, DSparkConfig, EngramConfig, QuantizationConfig, RopeConfig, SharingConfig,
+                    VisionConfig, YarnConfig)
 
 __all__ = ["ConfigError", "YarnConfig", "RopeConfig", "AttentionKind", "SharingConfig", "EngramConfig", "DSparkConfig",
-           "VisionConfig", "ModelConfig"]
+           "VisionConfig", "QuantizationConfig", "ModelConfig"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
     model_type: str = "deepseek_v4"
-    quantization: Mapping[str, Any] | None = field(default=None, compare=False)
+    quantization: QuantizationConfig | None = field(default=None, compare=False)
     # DeepSeek-V4.1 only (model_type "deepseek_v41")
     sharing: SharingConfig | None = None
     engram: EngramConfig | None = None

@@ -1,5 +1,5 @@
 """The parts of a model's configuration: RoPE and YaRN, an attention kind, V4.1's KV/index sharing, Engram,
-DSpark and the vision tower — frozen dataclasses checked on construction (`ConfigError` names the field). The
+DSpark, the vision tower and the weights' quantization — frozen dataclasses checked on construction (`ConfigError` names the field). The
 whole model's config is model.py's ModelConfig.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 __all__ = ["ConfigError", "YarnConfig", "RopeConfig", "AttentionKind", "SharingConfig", "EngramConfig", "DSparkConfig",
-           "VisionConfig"]
+           "VisionConfig", "QuantizationConfig"]
 
 
 class ConfigError(ValueError):
@@ -173,4 +173,55 @@ class VisionConfig:
         out.update({hf: getattr(self, f) for hf, f in _VISION_KEYS.items() if hf != "max_n_token"})
         return out
 
+
+_EXPERT_DTYPES = ("fp8", "fp4")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """A checkpoint's weight quantization (HF `quantization_config`, model-spec.md §2): DeepSeek's fp8 e4m3 weights
+    in weight_block_size blocks with ue8m0 (power-of-two) scales, the routed experts in fp8 or fp4 (`expert_dtype`;
+    V4 spells it at the top level of config.json). Another quant_method leaves the weights as stored (float).
+    `raw`: the object as read (unknown keys included), written back by to_hf."""
+
+    quant_method: str = "fp8"
+    weight_block_size: tuple[int, int] = (128, 128)
+    expert_dtype: str = "fp8"
+    scale_fmt: str | None = None
+    activation_scheme: str | None = None
+    raw: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        block = self.weight_block_size
+        if len(block) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block):
+            raise ConfigError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+        if self.expert_dtype not in _EXPERT_DTYPES:
+            raise ConfigError(f"quantization_config.expert_dtype must be one of {_EXPERT_DTYPES}, got "
+                              f"{self.expert_dtype!r}")
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the weights are DeepSeek's fp8 / fp4 codes (quant_method fp8)."""
+        return self.quant_method == "fp8"
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any]) -> "QuantizationConfig | None":
+        """The `quantization_config` object (None when empty: weights as stored)."""
+        if not raw:
+            return None
+        block = raw.get("weight_block_size", (128, 128))
+        if not isinstance(block, (list, tuple)):
+            raise ConfigError(f"quantization_config.weight_block_size must be a list of two integers, got {block!r}")
+        return cls(str(raw.get("quant_method", "fp8")), tuple(block), raw.get("expert_dtype") or "fp8",
+                   raw.get("scale_fmt"), raw.get("activation_scheme"), dict(raw))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `quantization_config` object: as read, with the typed fields."""
+        out = dict(self.raw)
+        out.update({"quant_method": self.quant_method, "weight_block_size": list(self.weight_block_size),
+                    "expert_dtype": self.expert_dtype})
+        for name in ("scale_fmt", "activation_scheme"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 

@@ -55,7 +55,7 @@ def _check_comparable(config: ModelConfig) -> None:
                          "checkpoint")
     if config.quantization is not None:
         raise ValueError("--compare transformers needs an unquantized checkpoint (float32/bfloat16 tensors); this one "
-                         f"has quantization_config {dict(config.quantization)} — use --random-weights with a config "
+                         f"has quantization_config {config.quantization.to_hf()} — use --random-weights with a config "
                          "without quantization_config, or a dequantized copy")
 
 

@@ -66,7 +66,7 @@ def summary(config: ModelConfig, dtype: Any = np.float32) -> str:
         f"hidden / heads  {config.dim} / {config.n_heads} x {config.head_dim} (rope {config.rope_head_dim})",
         f"experts         {config.n_routed_experts} routed, {config.n_activated_experts} active, 1 shared, width {config.moe_inter_dim}",
         f"vocab           {config.vocab_size}",
-        "quantization    " + (", ".join(f"{k}={v}" for k, v in config.quantization.items()) if config.quantization else "none"),
+        "quantization    " + (", ".join(f"{k}={v}" for k, v in config.quantization.to_hf().items()) if config.quantization else "none"),
         "scan segments   " + ", ".join(f"[{'+'.join(k.name for k in s.pattern)}]x{s.reps}" for s in plan.segments),
     ]
     pb = param_bytes_by_dtype(config, dtype)
