@@ -22,7 +22,7 @@ import json, resource, sys, time
 import jax, jax.numpy as jnp
 jnp.zeros(1).block_until_ready()          # start the runtime before measuring the baseline
 import jdeep
-from jdeep.tools.memory import status_bytes
+from jdeep.tools.perf.memory import status_bytes
 base = status_bytes("VmRSS")
 t0 = time.perf_counter()
 model = jdeep.load(sys.argv[1], dtype=sys.argv[2])
@@ -57,7 +57,7 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    from jdeep.tools.random_weights import random_checkpoint
+    from jdeep.tools.testing.random_weights import random_checkpoint
 
     raw = bench_config(args.target_gb)
     raw.pop("layer_types")

@@ -26,7 +26,7 @@ import jdeep
 from jdeep.config.small_models import BENCH_DEFAULT_CONFIG
 from jdeep.runtime.engine import Engine
 from jdeep.runtime.sampling import SamplingParams
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 
 def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:

@@ -23,7 +23,7 @@ import tempfile
 import numpy as np
 
 from jdeep.io.engram_tables import EngramLayout, EngramTables, hash_ids
-from jdeep.tools.memory import status_bytes
+from jdeep.tools.perf.memory import status_bytes
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 HEAD_DIM = 256

@@ -22,7 +22,7 @@ import numpy as np
 import jdeep
 from jdeep.config.small_models import BENCH_DEFAULT_CONFIG
 from jdeep.runtime.steps import batch_bucket, run_step
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 
 def _time(fn, repeats: int) -> float:

@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jdeep.tools.loadgen import make_requests, run_load, summarize  # noqa: E402
+from jdeep.tools.perf.loadgen import make_requests, run_load, summarize  # noqa: E402
 
 
 def main() -> int:

@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from jdeep.config.small_models import TINY_CONFIG, one_layer_config  # noqa: E402
-from jdeep.tools.random_weights import random_checkpoint, write_word_tokenizer  # noqa: E402
+from jdeep.tools.testing.random_weights import random_checkpoint, write_word_tokenizer  # noqa: E402
 
 CONFIGS = ("one-layer", "tiny")
 

@@ -35,11 +35,11 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 import jdeep
 from jdeep.io.writer import float_config, named_tensors, write_checkpoint
-from jdeep.tools.evaluate import NUMERICS_MODES, compare, format_table, load_modes, read_texts
-from jdeep.tools.random_weights import random_checkpoint
-from jdeep.tools.stdlib_corpus import read_text, stdlib_files
-from jdeep.tools.mtp_eval import mtp_accuracy
-from jdeep.tools.train import MTP_WEIGHT, lm_loss, make_train_step, merge, split_trainable
+from jdeep.tools.quality.evaluate import NUMERICS_MODES, compare, format_table, load_modes, read_texts
+from jdeep.tools.testing.random_weights import random_checkpoint
+from jdeep.tools.quality.stdlib_corpus import read_text, stdlib_files
+from jdeep.tools.quality.mtp_eval import mtp_accuracy
+from jdeep.tools.quality.train import MTP_WEIGHT, lm_loss, make_train_step, merge, split_trainable
 
 # DeepSeek-V4's special tokens (tokenizer_config of the released models), ids 0.. in this order
 SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>",

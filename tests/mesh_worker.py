@@ -21,7 +21,7 @@ import jdeep  # noqa: E402
 from jdeep.io import safetensors  # noqa: E402
 from jdeep.param_spec import padded_experts  # noqa: E402
 from jdeep.config.small_models import one_layer_config  # noqa: E402
-from jdeep.tools.random_weights import random_checkpoint  # noqa: E402
+from jdeep.tools.testing.random_weights import random_checkpoint  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 33, 100, 7, 3, 250, 17], [4, 8, 15, 16, 23, 42]]
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")

@@ -12,7 +12,7 @@ from jdeep import SamplingParams
 from jdeep.cli import main
 from jdeep.config.small_models import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 
 def test_generate_prints_the_same_tokens_as_the_api(tmp_path, capsys):
@@ -147,7 +147,7 @@ def test_chat_streams_the_reply(tmp_path, monkeypatch, capsys):
     import io
 
     from jdeep.io.tokenizer import Tokenizer
-    from jdeep.tools.random_weights import write_word_tokenizer
+    from jdeep.tools.testing.random_weights import write_word_tokenizer
 
     random_checkpoint(TINY_CONFIG, str(tmp_path), seed=14)
     write_word_tokenizer(str(tmp_path / "tokenizer.json"), 512)

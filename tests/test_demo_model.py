@@ -17,8 +17,8 @@ from jdeep.cli import main
 from jdeep.cli.commands import DEMO_MODEL, DEMO_PROMPTS
 from jdeep.io.chat.formats import BOS, EOS
 from jdeep.param_spec import weight_formats
-from jdeep.tools.evaluate import TokenStats, score_text
-from jdeep.tools.stdlib_corpus import read_text, stdlib_files
+from jdeep.tools.quality.evaluate import TokenStats, score_text
+from jdeep.tools.quality.stdlib_corpus import read_text, stdlib_files
 
 
 @pytest.fixture(scope="module")

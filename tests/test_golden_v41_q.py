@@ -23,7 +23,7 @@ from conftest import golden_path
 
 import jdeep
 from jdeep.model import model_step
-from jdeep.tools.testing import row_cosine, teacher_forced_logits
+from jdeep.tools.testing.reference import row_cosine, teacher_forced_logits
 
 TOL = 1e-4          # fp32 end to end without quantisation (observed <= 4e-5)
 QUANT_TOL = 1e-3    # quantised rows before the reference's first noise-sensitive position (observed <= 2e-5)

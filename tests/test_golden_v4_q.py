@@ -16,7 +16,7 @@ import pytest
 from conftest import golden_path
 
 import jdeep
-from jdeep.tools.testing import replay_layer, rounding_shift, row_cosine, teacher_forced_logits
+from jdeep.tools.testing.reference import replay_layer, rounding_shift, row_cosine, teacher_forced_logits
 
 TOL = 1e-3
 NEAR_TIE = 0.05

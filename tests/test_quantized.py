@@ -13,7 +13,7 @@ from jdeep.kernels import codecs
 from jdeep.kernels.linear import dequant
 from jdeep.config.small_models import TINY_CONFIG
 from jdeep.state import state_bytes
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 # two layers (a ratio-4 layer with indexer, a ratio-16 one; hash routing on the first): every
 # quantized code path, and small enough to compile quickly
@@ -128,7 +128,7 @@ def test_fp8_max_240_load_decodes_to_the_same_weights(qfolder):
 
 def test_param_bytes_stay_quantized():
     from jdeep.config.presets import preset
-    from jdeep.tools.info import param_bytes_by_dtype
+    from jdeep.tools.dev.info import param_bytes_by_dtype
 
     pb = param_bytes_by_dtype(preset("v4-flash"), "bfloat16")
     assert pb["uint8"] > 0.9 * sum(pb.values())

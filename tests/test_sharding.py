@@ -22,7 +22,7 @@ from jdeep.param_spec import padded_experts
 from jdeep.config.presets import preset
 from jdeep.config.small_models import one_layer_config
 from jdeep.sharding import AXES, Layout, make_mesh, parse_mesh
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 TOL = 1e-4   # float32 logits, sharded vs single device (the bound)
 

@@ -16,8 +16,8 @@ import pytest
 import jdeep
 from jdeep.io.safetensors import write_safetensors
 from jdeep.config.small_models import tiny_v41_config
-from jdeep.tools.memory import status_bytes
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.perf.memory import status_bytes
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 PROMPTS = [[0, 5, 6, 7, 8], list(range(3, 40)), [0] + list(range(100, 120))]
 

@@ -10,8 +10,8 @@ import sys
 from ..io.chat import FORMATS
 from ..config.presets import PRESET_NAMES
 from ..serve.lockstep import PEER_TIMEOUT_S
-from ..tools.bench import PREFILL_CHUNK
-from ..tools.programs import SERVING_BATCH_SIZES, SERVING_PREFILL_LEN, SERVING_PREFILL_TOKENS
+from ..tools.perf.bench import PREFILL_CHUNK
+from ..tools.dev.programs import SERVING_BATCH_SIZES, SERVING_PREFILL_LEN, SERVING_PREFILL_TOKENS
 from .args import (BARE, RUNTIME, add_graph_args, add_load_args, add_process_args, add_sampling_args,
                    add_speculative_arg, init_distributed, parse_bytes, setup_compile_cache)
 from .chat import cmd_chat
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_args(b, "dtype", dtype={"default": None, "help": "default: float32 on CPU (the spec's exact numerics; "
                                      "bfloat16 runs there too, weights as bits: docs/performance.md), bfloat16 on "
                                      "accelerators"})
-    b.add_argument("--json", help="write the full result (schema jdeep.bench/1, see jdeep/tools/bench.py)")
+    b.add_argument("--json", help="write the full result (schema jdeep.bench/1, see jdeep/tools/perf/bench.py)")
     b.add_argument("--plot", help="write a PNG of the sweep (needs matplotlib)")
     b.add_argument("--compare", choices=["transformers"],
                    help="also run transformers' DeepseekV4ForCausalLM on the same checkpoint, dtype and prompts and "

@@ -27,21 +27,21 @@ from ..runtime.sampling import SamplingParams
 from ..sharding import parse_mesh
 from ..speculative.config import parse_speculative
 from ..speculative.engine import make_engine
-from ..tools.bench import bench_prompts, format_report, plot_sweep, result_head, run_bench, run_context_sweep
-from ..tools.collectives import DEFAULT_LINK_GBPS, DEFAULT_PREFILL_LEN, collectives_table, measure
-from ..tools.compare import hf_config, require_transformers  # imports torch only when called
-from ..tools.evaluate import NUMERICS_MODES, compare, format_table, load_modes, read_texts
-from ..tools.export import export_programs, model_info
-from ..tools.graphcheck import Limits, check_lowered
-from ..tools.info import device_footprint, mesh_summary, summary
-from ..tools.mixed_load import run_mixed
-from ..tools.mtp_eval import format_mtp_table, mtp_accuracy
+from ..tools.perf.bench import bench_prompts, format_report, plot_sweep, result_head, run_bench, run_context_sweep
+from ..tools.dev.collectives import DEFAULT_LINK_GBPS, DEFAULT_PREFILL_LEN, collectives_table, measure
+from ..tools.perf.compare import hf_config, require_transformers  # imports torch only when called
+from ..tools.quality.evaluate import NUMERICS_MODES, compare, format_table, load_modes, read_texts
+from ..tools.dev.export import export_programs, model_info
+from ..tools.dev.graphcheck import Limits, check_lowered
+from ..tools.dev.info import device_footprint, mesh_summary, summary
+from ..tools.perf.mixed_load import run_mixed
+from ..tools.quality.mtp_eval import format_mtp_table, mtp_accuracy
 from ..runtime.inventory import plan_inventory
-from ..tools.programs import Target, chunk_buckets, inventory_programs, model_programs
-from ..tools.random_weights import random_checkpoint
-from ..tools.spec_bench import run_speculative
-from ..tools.spec_programs import speculative_programs
-from ..tools.vision_programs import vision_programs
+from ..tools.dev.programs import Target, chunk_buckets, inventory_programs, model_programs
+from ..tools.testing.random_weights import random_checkpoint
+from ..tools.perf.spec_bench import run_speculative
+from ..tools.dev.spec_programs import speculative_programs
+from ..tools.dev.vision_programs import vision_programs
 from .args import batch_sizes, folder_tokenizer, load_kwargs, np_dtype, parse_ints, sampling_params
 
 
@@ -360,7 +360,7 @@ def _graph_target(args: argparse.Namespace) -> Target:
 
 def _deployment_programs(args: argparse.Namespace, target: Target) -> list:
     """With --max-num-seqs: the plain engine's inventory for the serve settings (runtime/inventory.plan_inventory),
-    lowered under its names (tools/programs.inventory_programs)."""
+    lowered under its names (tools/dev/programs.inventory_programs)."""
     if args.speculative_tokens is not None:
         raise SystemExit("jdeep: --max-num-seqs lists the plain engine's programs; the speculative engine's are "
                          "not listed from a config yet (leave out --max-num-seqs for the --batch-sizes grid)")

@@ -1,12 +1,12 @@
-"""`jdeep doctor`: the parser of the bring-up command and its body (jdeep/tools/doctor)."""
+"""`jdeep doctor`: the parser of the bring-up command and its body (jdeep/tools/dev/doctor)."""
 
 from __future__ import annotations
 
 import argparse
 
 from ..config.presets import PRESET_NAMES
-from ..tools.doctor.report import summary, write_report
-from ..tools.doctor.run import STEPS, DoctorOptions, run_doctor
+from ..tools.dev.doctor.report import summary, write_report
+from ..tools.dev.doctor.run import STEPS, DoctorOptions, run_doctor
 from .args import parse_ints
 
 __all__ = ["add_doctor_parser", "cmd_doctor"]
@@ -32,7 +32,7 @@ def add_doctor_parser(sub) -> None:
     d.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     d.add_argument("--fp8-max", type=float, default=240.0, help="fp8 range (default 240, trn2's e4m3)")
     d.add_argument("--compiler-cmd", help="compiler command; the StableHLO file path is appended (default: "
-                                          "python -m jdeep.tools.doctor.neuron_cc on Neuron, .xla_cpu_cc elsewhere)")
+                                          "python -m jdeep.tools.dev.doctor.neuron_cc on Neuron, .xla_cpu_cc elsewhere)")
     d.add_argument("--repeat", type=int, default=1, help="compiles per program, to measure crash rates (default 1)")
     d.add_argument("--timeout", type=float, default=3600.0, help="seconds per compile before it counts as a failure")
     d.add_argument("--reduce-tries", type=int, default=4,

@@ -1,4 +1,4 @@
-"""The small DeepSeek-V4 / V4.1 models jdeep fills with seeded random weights (tools/random_weights.py), as
+"""The small DeepSeek-V4 / V4.1 models jdeep fills with seeded random weights (tools/testing/random_weights.py), as
 config.json dicts: `TINY_CONFIG` (every V4 layer kind; `jdeep demo --random`), `tiny_v41_config` (every V4.1 layer
 kind), `one_layer_config` and `deep_tiny_config` (the test suite's cheapest and deepest), and `BENCH_DEFAULT_CONFIG`
 (`jdeep bench` with no model). Not released architectures: those are config/presets.py."""

@@ -150,7 +150,7 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     right after every Engram update, engram_out [n_engram, B, S, n, d] (absent without Engram layers).
     layout (sharding.Layout): the model runs on a device mesh: the MoE is expert-parallel and the new state
     and the logits are constrained to the layout's shardings (state by sequence slot, logits replicated).
-    training: a last output holds what training needs besides the logits (tools/train.py): "hidden", the final
+    training: a last output holds what training needs besides the logits (tools/quality/train.py): "hidden", the final
     streams X [B, S, n, d] (the MTP blocks' input), and "index_kl" fp32 [2], the indexer objective summed over
     the V4 indexer layers and its number of terms (layers/index_loss.py).
     hidden: a last output is the final streams X [B, S, n, d] alone (what the MTP drafter reads while decoding).

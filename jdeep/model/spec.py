@@ -1,7 +1,7 @@
 """ModelSpec: everything a model's compiled programs depend on besides the weights' values, frozen and hashable.
 
 It is what the program cache keys a model's programs by (Model.spec: models with equal specs share every program)
-and what `jdeep check-graph` / `jdeep export` build programs for from a config alone (tools/programs.Target is this
+and what `jdeep check-graph` / `jdeep export` build programs for from a config alone (tools/dev/programs.Target is this
 class): the config, the layer plan, the numerics, the parameter dtype, the compile mode ("scan" or "regions"),
 whether the token embedding is gathered on the host, whether the scan mode's per-layer tensors are packed in arenas
 (arenas.py), and the device-mesh layout (sharding.Layout, None on one device). Packed KV records are a numerics

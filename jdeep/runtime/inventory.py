@@ -7,7 +7,7 @@ the kind of program, the window rows and sequence length it runs at, its variant
 sampled), and how many compiled programs running it takes (`programs`: one, except where one call runs several,
 such as a drafter's draft and verify).
 
-Names: "b{rows}.decode", "b{rows}.prefill{S}" (the step programs, as tools/programs.model_programs names them),
+Names: "b{rows}.decode", "b{rows}.prefill{S}" (the step programs, as tools/dev/programs.model_programs names them),
 "b{rows}.prefill{S}.all_logits" and "b{rows}.prompt_logprobs{S}" (prompt logprobs), "b{rows}.sample[.logprobs]
 [.penalties]", "b{rows}.penalties.{window,count}", "penalties.{reset,move}", "slots.{reset,move}",
 "snapshot{L}.{out,in}" (the prefix cache's copy-out / copy-in of an L-token prefix bucket), and a speculative
@@ -105,7 +105,7 @@ def abstract_program(spec: ProgramSpec, state: Any, vocab: int, n_slots: int, st
     """(jitted function, abstract arguments, static keyword arguments) of an inventory entry that is not a model
     step — what the engine runs for it (slot_pool.py, slot_sampling.py, prefix_snapshot.py) — over an abstract
     decode state of n_slots slots and state_len tokens (jax.ShapeDtypeStruct leaves) and a vocabulary of `vocab`
-    ids. ValueError for a step entry (tools/programs.step_programs lowers those)."""
+    ids. ValueError for a step entry (tools/dev/programs.step_programs lowers those)."""
     def a(shape, dt):
         return jax.ShapeDtypeStruct(shape, dt)
 
@@ -138,4 +138,4 @@ def abstract_program(spec: ProgramSpec, state: Any, vocab: int, n_slots: int, st
     if spec.kind == "prompt_logprobs":
         ids = a((n, spec.seq), jnp.int32)
         return PROGRAMS.jit(_prompt_outputs), (a((n, spec.seq, vocab), jnp.float32), ids, ids), {}
-    raise ValueError(f"{spec.name!r} ({spec.kind}) is a model step or a drafter's program: tools/programs lowers it")
+    raise ValueError(f"{spec.name!r} ({spec.kind}) is a model step or a drafter's program: tools/dev/programs lowers it")

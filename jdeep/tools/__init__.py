@@ -1,4 +1,5 @@
-"""Tools around the engine: benchmarks (bench.py, compare.py against transformers, loadgen.py for the server),
-size accounting (info.py), every compiled program of a config (programs.py) with the compile-safety rules
-(graphcheck/) and StableHLO export (export.py), seeded random checkpoints (random_weights.py) and reference
-checks (testing.py, memory.py)."""
+"""Tools around the engine, by audience: `dev/` for deploying and debugging (check-graph's compile-safety rules in
+graphcheck/, the programs a config compiles, StableHLO export, the Neuron bring-up doctor, size and collective
+accounting), `perf/` for benchmarks (`jdeep bench`, speculative decoding, a transformers comparison, server load),
+`quality/` for evaluation and training (perplexity and KL, MTP accuracy, the demo model's training), and `testing/`
+for test support (seeded random checkpoints in DeepSeek's format, reference-comparison helpers)."""

@@ -22,7 +22,7 @@ from jdeep.io.safetensors import SafetensorsFile, write_safetensors
 from jdeep.model.weights import from_cpu_bf16
 from jdeep.plan import layer_kinds
 from jdeep.config.small_models import TINY_CONFIG
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 # Five layers, three layer bodies: [sliding/hash] x1, [csa4, hca16] x2 (a segment with reps = 2).
 CFG = copy.deepcopy(TINY_CONFIG)

@@ -13,8 +13,8 @@ from jdeep.io.writer import float_config, named_tensors, quantize_weight, write_
 from jdeep.param_spec import FP4, FP4_BLOCK, FP8, FP8_DEQUANT, TensorSpec, expected_tensors
 from jdeep.plan import build_plan
 from jdeep.config.small_models import TINY_CONFIG
-from jdeep.tools.mtp_eval import window_logits
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.quality.mtp_eval import window_logits
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 QCFG = dict(TINY_CONFIG, head_dim=128, qk_rope_head_dim=64, index_head_dim=64, num_hidden_layers=2,
             layer_types=["compressed_sparse_attention", "heavily_compressed_attention"], num_hash_layers=1,

@@ -21,7 +21,7 @@ from jdeep.kernels import cpu
 from jdeep.kernels.linear import linear, native_rows
 from jdeep.model.scan import _split_in_place, slot_params
 from jdeep.numerics import Numerics
-from jdeep.tools.programs import Target, model_programs
+from jdeep.tools.dev.programs import Target, model_programs
 
 from conftest import golden_path
 

@@ -18,7 +18,7 @@ from jdeep.layers.moe import _local_routed_op, _routed_op
 from jdeep.numerics import Numerics
 from jdeep.config.presets import preset
 from jdeep.config.small_models import TINY_CONFIG
-from jdeep.tools.graphcheck import check_lowered
+from jdeep.tools.dev.graphcheck import check_lowered
 
 LIMIT = 2.5
 

@@ -17,7 +17,7 @@ from jdeep.kernels.reference import (expert_groups, expert_groups_nosort, moe_ex
                                      moe_experts_grouped_nosort)
 from jdeep.numerics import Numerics
 from jdeep.config.small_models import TINY_CONFIG
-from jdeep.tools.graphcheck import check_lowered
+from jdeep.tools.dev.graphcheck import check_lowered
 
 from test_moe_nosort import LIMIT, _case, oracle
 

@@ -12,9 +12,9 @@ import pytest
 import jdeep
 from jdeep.model.cache import ProgramCache
 from jdeep.config.small_models import one_layer_config
-from jdeep.tools.graphcheck import check_lowered
-from jdeep.tools.programs import Target, model_programs
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.dev.graphcheck import check_lowered
+from jdeep.tools.dev.programs import Target, model_programs
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 RAW = one_layer_config(n_routed_experts=6, num_experts_per_tok=2)
 

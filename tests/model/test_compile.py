@@ -18,7 +18,7 @@ from jdeep.param_spec import abstract_params
 from jdeep.plan import build_plan
 from jdeep.config.small_models import TINY_CONFIG, deep_tiny_config
 from jdeep.state import init_state
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 
 def _config(n_repeats: int) -> ModelConfig:

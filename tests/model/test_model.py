@@ -8,7 +8,7 @@ import pytest
 
 import jdeep
 from jdeep.config.small_models import TINY_CONFIG
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 CONFIGS = {
     # DeepSeek spelling: ratio 4 overlaps and has an indexer, other ratios pool plainly.

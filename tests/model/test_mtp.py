@@ -22,7 +22,7 @@ from jdeep.param_spec import leaf_plan
 from jdeep.plan import build_plan
 from jdeep.config.presets import preset
 from jdeep.config.small_models import TINY_CONFIG
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 CFG = dict(TINY_CONFIG, num_hidden_layers=2, num_hash_layers=1, num_nextn_predict_layers=1,
            layer_types=["sliding_attention", "compressed_sparse_attention"])

@@ -11,7 +11,7 @@ import jdeep
 from jdeep.config import ModelConfig
 from jdeep.model.regions import n_compiled
 from jdeep.config.small_models import TINY_CONFIG, deep_tiny_config
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 TOL = 1e-5
 

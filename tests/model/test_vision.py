@@ -15,7 +15,7 @@ from jdeep.runtime.generate import prefill
 from jdeep.runtime.images import IMAGE_PLACEHOLDER, expand_image_prompt
 from jdeep.runtime.requests import RequestError
 from jdeep.runtime.steps import pack_chunk
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 from jdeep.vision.processor import num_image_tokens, plan_image_grid
 
 

@@ -13,7 +13,7 @@ from jdeep import SamplingParams
 from jdeep.config.small_models import tiny_v41_config
 from jdeep.runtime.engine import Engine
 from jdeep.runtime.images import IMAGE_PLACEHOLDER
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from jdeep.runtime.output_processor import OutputProcessor
 from jdeep.runtime.runner import Runner
 from jdeep.runtime.slot_pool import SlotPool
 from jdeep.runtime.requests import Request
-from jdeep.tools.random_weights import random_checkpoint, write_word_tokenizer
+from jdeep.tools.testing.random_weights import random_checkpoint, write_word_tokenizer
 
 ENGINE = dict(max_num_seqs=4, max_len=64, prefill_chunk=16)
 

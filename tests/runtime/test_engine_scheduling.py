@@ -12,7 +12,7 @@ import jdeep
 from jdeep import SamplingParams
 from jdeep.config.small_models import one_layer_config, tiny_v41_config
 from jdeep.runtime.engine import Engine
-from jdeep.tools.random_weights import random_checkpoint, write_word_tokenizer
+from jdeep.tools.testing.random_weights import random_checkpoint, write_word_tokenizer
 
 
 @pytest.fixture(scope="module")

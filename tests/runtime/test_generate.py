@@ -9,7 +9,7 @@ import pytest
 import jdeep
 from jdeep import SamplingParams
 from jdeep.config.small_models import one_layer_config
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 PROMPTS = [[0, 5, 9], [0, 7, 7, 7, 100, 3], [0, 42]]
 

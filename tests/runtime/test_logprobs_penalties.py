@@ -17,7 +17,7 @@ from jdeep.config.small_models import one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.runtime.requests import RequestError, check_request
 from jdeep.runtime.sampling import PenaltyState, adjusted_logits, batch_params, sample, token_logprobs
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 V = 512
 

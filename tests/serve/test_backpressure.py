@@ -20,7 +20,7 @@ from jdeep.cli import build_parser
 from jdeep.config.small_models import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.serve.server import ServerSettings, background_server
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 ENGINE = dict(max_num_seqs=2, max_len=64, prefill_chunk=16)
 

@@ -18,7 +18,7 @@ import jdeep
 from jdeep.config.small_models import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.serve.server import ServerSettings, background_server
-from jdeep.tools.random_weights import random_checkpoint, write_word_tokenizer
+from jdeep.tools.testing.random_weights import random_checkpoint, write_word_tokenizer
 
 V, MAX_LEN, KEY = TINY_CONFIG["vocab_size"], 64, "clé-ünïcode"
 READ_TIMEOUT = 1.0

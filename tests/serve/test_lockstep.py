@@ -28,7 +28,7 @@ from jdeep.serve.lockstep import Lockstep, MeshFailure, StoreTimeout, follow
 from jdeep.serve.server import ServerSettings, background_server
 from jdeep.serve.wire import request_from_wire, request_to_wire
 from jdeep.speculative.engine import make_engine
-from jdeep.tools.random_weights import write_word_tokenizer
+from jdeep.tools.testing.random_weights import write_word_tokenizer
 
 MAX_LEN = 64
 

@@ -21,7 +21,7 @@ import jdeep
 from jdeep.config.small_models import one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.serve.server import ServerSettings, background_server
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 PEER_TIMEOUT = 3.0
 ENGINE = ["--max-num-seqs", "4", "--max-len", "128", "--prefill-chunk", "16", "--seed", "0"]

@@ -12,7 +12,7 @@ from jdeep.runtime.requests import check_request
 from jdeep.io.chat import V4, V41, encode_chat
 from jdeep.serve.chat_protocol import parse_chat
 from jdeep.serve.openai_protocol import APIError, ServingContext, parse_completion, parse_json
-from jdeep.tools.random_weights import write_word_tokenizer
+from jdeep.tools.testing.random_weights import write_word_tokenizer
 
 V, MAX_LEN = 512, 64
 

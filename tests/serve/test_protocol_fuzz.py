@@ -27,7 +27,7 @@ from jdeep.runtime.sampling import batch_params
 from jdeep.serve.chat_protocol import parse_chat
 from jdeep.serve.openai_protocol import APIError, GenerationRequest, ServingContext, parse_completion
 from jdeep.serve.server import ServerSettings, background_server
-from jdeep.tools.random_weights import random_checkpoint, write_word_tokenizer
+from jdeep.tools.testing.random_weights import random_checkpoint, write_word_tokenizer
 
 V, MAX_LEN = TINY_CONFIG["vocab_size"], 64
 # hypothesis keeps caches (source constants) in ./.hypothesis by default: not in the repository

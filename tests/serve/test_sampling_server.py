@@ -19,7 +19,7 @@ from jdeep import SamplingParams
 from jdeep.io.tokenizer import Tokenizer
 from jdeep.runtime.engine import Engine
 from jdeep.serve.server import ServerSettings, background_server
-from jdeep.tools.random_weights import write_word_tokenizer
+from jdeep.tools.testing.random_weights import write_word_tokenizer
 
 PROMPT = [0, 5, 9, 17, 33, 2, 8]
 SHARED = [0] + list(range(40, 300))              # 261 tokens: a 256-token boundary is shared

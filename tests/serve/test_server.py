@@ -20,7 +20,7 @@ from jdeep.io.chat import V4, parse_reply
 from jdeep.io.tokenizer import Tokenizer
 from jdeep.runtime.engine import Engine
 from jdeep.serve.server import ServerSettings, background_server
-from jdeep.tools.random_weights import write_word_tokenizer
+from jdeep.tools.testing.random_weights import write_word_tokenizer
 
 KEY = "test-key"
 MAX_LEN = 64

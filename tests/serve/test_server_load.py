@@ -19,8 +19,8 @@ from jdeep import SamplingParams
 from jdeep.config.small_models import TINY_CONFIG, one_layer_config
 from jdeep.runtime.engine import Engine
 from jdeep.serve.server import ServerSettings, background_server
-from jdeep.tools.loadgen import make_requests, run_load, summarize
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.perf.loadgen import make_requests, run_load, summarize
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 ENGINE = dict(max_num_seqs=8, max_len=64, prefill_chunk=16)
 

@@ -17,7 +17,7 @@ from jdeep.io.chat import FORMATS, encode_chat
 from jdeep.runtime.engine import Engine
 from jdeep.config.small_models import tiny_v41_config
 from jdeep.serve.server import ServerSettings, background_server
-from jdeep.tools.random_weights import random_checkpoint, write_word_tokenizer
+from jdeep.tools.testing.random_weights import random_checkpoint, write_word_tokenizer
 
 
 def _data_url(h: int, w: int, seed: int) -> str:

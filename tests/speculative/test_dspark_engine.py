@@ -26,7 +26,7 @@ from jdeep.runtime.inventory import total_programs
 from jdeep.speculative import dspark_decode, dspark_drafter
 from jdeep.speculative.dspark_drafter import DSparkDrafter
 from jdeep.speculative.engine import SpeculativeEngine, make_engine
-from jdeep.tools.random_weights import random_checkpoint
+from jdeep.tools.testing.random_weights import random_checkpoint
 
 ENGINE = dict(max_num_seqs=2, max_len=96, prefill_chunk=16, ignore_eos=True)
 

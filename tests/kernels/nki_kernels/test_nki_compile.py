@@ -34,7 +34,7 @@ def test_the_nki_compiler_accepts_every_kernel_a_model_step_calls(monkeypatch):
     from jdeep.platforms import logical_nc_config
     from jdeep.config.small_models import TINY_CONFIG, tiny_v41_config
     from jdeep.state import init_state
-    from jdeep.tools.kernel_artifacts import kernel_refs
+    from jdeep.tools.dev.kernel_artifacts import kernel_refs
 
     quant = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32],
              "expert_dtype": "fp4"}

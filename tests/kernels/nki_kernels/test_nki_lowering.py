@@ -36,10 +36,10 @@ from jdeep.plan import build_plan
 from jdeep.platforms import logical_nc_config
 from jdeep.config.small_models import TINY_CONFIG, one_layer_config, tiny_v41_config
 from jdeep.state import init_state
-from jdeep.tools import programs as graphs
-from jdeep.tools.export import export_programs, load_exported, model_info
-from jdeep.tools.graphcheck import check_lowered
-from jdeep.tools.kernel_artifacts import copy_artifacts, kernel_refs, relative_location, unresolved
+from jdeep.tools.dev import programs as graphs
+from jdeep.tools.dev.export import export_programs, load_exported, model_info
+from jdeep.tools.dev.graphcheck import check_lowered
+from jdeep.tools.dev.kernel_artifacts import copy_artifacts, kernel_refs, relative_location, unresolved
 
 pytestmark = pytest.mark.skipif(not getattr(nki, "EMULATED", False), reason="the recording stand-in is the emulation's")
 

@@ -1,0 +1,168 @@
+"""Every program jdeep compiles for a model, as (name, jitted function, abstract arguments): what
+`jdeep check-graph` checks and `jdeep export` writes.
+
+A step is lowered per batch-size bucket B: prefill (a chunk of `prefill_len` tokens, or one program per chunk length
+of a sequence of them) and decode (one token), on a state of B slots and `max_len` tokens. What serving compiles
+(`jdeep serve`, the Engine's warmup) is every power-of-two batch bucket up to its slots times every chunk-length
+bucket up to its prefill chunk (`chunk_buckets`); `SERVING_BATCH_SIZES` and `SERVING_PREFILL_LEN` are the largest
+serving configuration jdeep checks (`jdeep check-graph`'s defaults). In the scan mode a step is one program; in the
+regions mode the step's distinct region programs (embed, attn.<kind>, ffn.<moe>, head). Arguments are
+jax.ShapeDtypeStruct built from the config alone (no weights are read).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ...arenas import pack_params
+from ...model.cache import PROGRAMS, ProgramCache
+from ...model.model import compiled_rows_step, compiled_step
+from ...model.regions import regions_step
+from ...model.spec import ModelSpec
+from ...param_spec import abstract_params
+from ...runtime.inventory import ProgramSpec, abstract_program
+from ...runtime.sampling import SamplingBatch, abstract_batch
+from ...runtime.steps import length_bucket
+from ...state import init_state
+
+__all__ = ["Target", "Program", "model_programs", "step_programs", "inventory_programs", "chunk_buckets", "step_inputs", "sampling_inputs",
+           "SERVING_BATCH_SIZES", "SERVING_PREFILL_LEN", "SERVING_PREFILL_TOKENS"]
+
+SERVING_BATCH_SIZES: tuple[int, ...] = tuple(1 << i for i in range(9))    # 1, 2, 4, ..., 256 sequence slots
+SERVING_PREFILL_LEN = 8192                                                 # the longest prefill chunk
+SERVING_PREFILL_TOKENS = 8192   # the token budget of one prefill step (batch x chunk): larger steps are not served
+
+
+Target = ModelSpec     # what to build programs for: a model's spec, from a loaded model or a config alone
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str            # e.g. "b4.decode" (scan) or "b4.decode.attn.csa.r2" (regions)
+    fn: Callable         # the jitted function
+    args: tuple          # abstract arguments (pytrees of jax.ShapeDtypeStruct)
+    bucket: dict         # {"batch": B, "seq": S, "step": "prefill" | "decode", "max_len": max_len}
+
+    def lower(self) -> jax.stages.Lowered:
+        return self.fn.lower(*self.args)
+
+
+def _spec(tree):
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def step_inputs(t: Target, B: int, S: int, max_len: int) -> tuple:
+    """Abstract (params, state, tokens, positions, engram, embeds) of a step over B slots and S tokens."""
+    params = abstract_params(t.config, t.plan, t.dtype)
+    if t.host_embedding:
+        params = {k: v for k, v in params.items() if k != "embed"}
+    if t.packed_params:
+        params = pack_params(params)
+    state = jax.eval_shape(lambda: init_state(t.config, t.plan, B, max_len, t.dtype, t.numerics))
+    ids = jax.ShapeDtypeStruct((B, S), jnp.int32)
+    engram = None
+    if t.config.engram is not None:
+        e = t.config.engram
+        lead = (len(e.layer_ids), B, S, e.rows_per_token)
+        engram = (jax.ShapeDtypeStruct(lead + (e.head_dim,), jnp.uint8),
+                  jax.ShapeDtypeStruct(lead + (e.head_dim // 32,), jnp.uint8))
+    embeds = jax.ShapeDtypeStruct((B, S, t.config.dim), t.dtype) if t.host_embedding else None
+    return params, state, ids, ids, engram, embeds
+
+
+def sampling_inputs(B: int) -> SamplingBatch:
+    """Abstract per-row sampling parameters of B rows (what the speculative programs take; sampling.abstract_batch)."""
+    return abstract_batch(B)
+
+
+def chunk_buckets(longest: int) -> tuple[int, ...]:
+    """The prefill chunk lengths serving runs for chunks of up to `longest` tokens, ascending: the length bucket
+    of every take 1..longest (`runtime.steps.length_bucket`: powers of two from 16), as the Engine's warmup."""
+    top, n, out = length_bucket(longest), length_bucket(1), []
+    while n <= top:
+        out.append(n)
+        n *= 2
+    return tuple(out)
+
+
+def model_programs(t: Target, batch_sizes=(1,), prefill_len: int | Sequence[int] = 64, max_len: int = 256,
+                   cache: ProgramCache = PROGRAMS, max_prefill_tokens: int | None = None,
+                   pool: int | None = None) -> list[Program]:
+    """The programs of prefill and decode steps for every batch bucket, in call order, without duplicates.
+    prefill_len: one chunk length (programs "b{B}.prefill") or several ("b{B}.prefill{S}" each, then "b{B}.decode").
+    max_prefill_tokens: leave out prefill programs of more tokens (batch x chunk) than one step's budget.
+    pool: lower each batch bucket B < pool as the Engine runs it, a window of B slots (traced first slot) of a
+    state of `pool` slots (models with Engram step the whole pool; their buckets stay whole states).
+    `cache`: where the programs are taken from and kept (a fresh ProgramCache gives freshly jitted programs)."""
+    several = not isinstance(prefill_len, int)
+    lens = tuple(prefill_len) if several else (prefill_len,)
+    out = []
+    for B in batch_sizes:
+        prefills = [("prefill", S) for S in lens if max_prefill_tokens is None or B * S <= max_prefill_tokens]
+        for step, S in prefills + [("decode", 1)]:
+            name = f"b{B}.{step}{S if several and step == 'prefill' else ''}"
+            out += step_programs(t, name, step, B, S, max_len, pool, cache=cache)
+    return out
+
+
+def step_programs(t: Target, name: str, step: str, B: int, S: int, max_len: int, pool: int | None = None,
+                  all_logits: bool = False, cache: ProgramCache = PROGRAMS) -> list[Program]:
+    """The program(s) of one model step over B rows of S tokens on a state of `max_len` tokens, named `name` (in the
+    regions mode one per region, "{name}.{region}"); step: "prefill" or "decode" (its bucket's label). pool: B < pool
+    rows run as the Engine runs them, a window (traced first slot) of a `pool`-slot state (not models with Engram,
+    which step the whole pool). all_logits: every position's logits (the prompt-logprob variant)."""
+    window = pool is not None and B < pool and t.config.engram is None
+    bucket = {"batch": B, "seq": S, "step": step, "max_len": max_len}
+    args = step_inputs(t, B, S, max_len)
+    if window:
+        bucket["pool"] = pool
+        args = (args[0], step_inputs(t, pool, 1, max_len)[1]) + args[2:] + (jax.ShapeDtypeStruct((), jnp.int32),)
+    if t.compile_mode == "scan":
+        fn = (compiled_rows_step(t.config, t.plan, t.numerics, all_logits, B, cache=cache) if window else
+              compiled_step(t.config, t.plan, t.numerics, all_logits, cache=cache))
+        return [Program(name, fn, args, bucket)]
+    rs = regions_step(t.config, t.plan, t.numerics, all_logits, rows=B if window else None, cache=cache)
+    return [Program(f"{name}.{n}", fn, a, bucket) for n, fn, a in rs.programs(*args)]
+
+
+def inventory_programs(t: Target, specs: Sequence[ProgramSpec], n_slots: int, state_len: int,
+                       cache: ProgramCache = PROGRAMS) -> list[Program]:
+    """An engine's inventory (runtime/inventory.py: Engine.programs, plan_inventory) lowered from the config alone,
+    entry by entry under the inventory's names (a step in the regions mode: one program per region,
+    "{name}.{region}"): model steps as step_programs builds them over an n_slots-slot state of state_len tokens,
+    the rest as the engine runs them (inventory.abstract_program)."""
+    out = []
+    state = None
+    for spec in specs:
+        if spec.kind == "step":
+            step = "decode" if spec.name.endswith(".decode") else "prefill"
+            out += step_programs(t, spec.name, step, spec.rows, spec.seq, state_len, n_slots,
+                                 all_logits=spec.variant == "all_logits", cache=cache)
+            continue
+        if state is None:
+            state = step_inputs(t, n_slots, 1, state_len)[1]
+        fn, args, static = abstract_program(spec, state, t.config.vocab_size, n_slots, state_len)
+        fn = functools.partial(fn, **static) if static else fn
+        out.append(Program(spec.name, _Lowerable(fn), args, {"batch": spec.rows, "seq": spec.seq,
+                                                             "step": spec.kind, "max_len": state_len}))
+    return out
+
+
+class _Lowerable:
+    """A jitted function with static keyword arguments bound, as Program.fn (lowers with them)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def lower(self, *args):
+        if isinstance(self.fn, functools.partial):
+            return self.fn.func.lower(*args, **self.fn.keywords)
+        return self.fn.lower(*args)
+
+    def __call__(self, *args):
+        return self.fn(*args)
