@@ -172,7 +172,7 @@ def test_layer_streams(quant, streams):
         pos = np.full((1, PAD), -1, np.int32)
         toks[0, :L], pos[0, :L] = prompt, np.arange(L)
         eng = model.engram_inputs(model.new_history(1), toks, pos)
-        _, _, rec = step(model.params, model.init_state(1, PAD), jnp.asarray(toks), jnp.asarray(pos), eng)
+        rec = step(model.params, model.init_state(1, PAD), jnp.asarray(toks), jnp.asarray(pos), eng).streams
         stable = _first_noisy(ref, i, L)
         for key in ("block_out", "engram_out"):
             got = np.asarray(rec[key])[:, 0, :L]

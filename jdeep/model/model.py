@@ -37,9 +37,11 @@ def compiled_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics, all_
                   cache: ProgramCache = PROGRAMS) -> Callable:
     """One jitted scan-mode step per (architecture, numerics, logits mode, layout), state donated."""
     def make():
-        fn = functools.partial(model_step, config=config, plan=plan, numerics=numerics, all_logits=all_logits,
-                               layout=layout)
-        return jax.jit(fn, donate_argnums=(1,))
+        def step(*args):     # -> (logits, state)
+            return tuple(model_step(*args, config=config, plan=plan, numerics=numerics, all_logits=all_logits,
+                                    layout=layout)[:2])
+
+        return jax.jit(step, donate_argnums=(1,))
 
     return cache.get(("step", config, plan, numerics, all_logits, layout), make)
 
@@ -56,7 +58,7 @@ def compiled_rows_step(config: ModelConfig, plan: LayerPlan, numerics: Numerics,
                                layout=layout)
 
         def step(params, state, tokens, positions, engram=None, embeds=None, start=None):
-            logits, sub = fn(params, slot_window(state, rows, start), tokens, positions, engram, embeds)
+            logits, sub = fn(params, slot_window(state, rows, start), tokens, positions, engram, embeds)[:2]
             state = put_slot_window(state, sub, start)
             return logits, (state if layout is None else layout.constrain_state(state))
 

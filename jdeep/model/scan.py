@@ -9,7 +9,7 @@ program holds one body per segment whatever the depth and caches are updated in 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,21 @@ from ..numerics import Numerics
 from ..plan import LayerPlan, Segment, dspark_tap_layers
 from ..state import source_index
 
-__all__ = ["model_step", "slot_params"]
+__all__ = ["model_step", "StepOutput", "slot_params"]
+
+
+class StepOutput(NamedTuple):
+    """What model_step returns: the logits (fp32 [B, V] at each row's last real token, or [B, S, V] with all_logits)
+    and the new decode state, then what its flags ask for, None where not asked: `streams` (block_out, engram_out),
+    `training` ({"hidden", "index_kl"}), `hidden` (the final streams X [B, S, n, d]) and `taps` (main_hidden
+    [B, S, n_taps*d])."""
+
+    logits: Any
+    state: Any
+    streams: Any = None
+    training: Any = None
+    hidden: Any = None
+    taps: Any = None
 
 
 def slot_params(slot: dict) -> tuple[Any, dict]:
@@ -143,18 +157,18 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     tokens int32 [B, S]; positions int32 [B, S] (absolute, consecutive per row, -1 = padding after the
     real tokens). engram (models with Engram layers): the host-gathered table rows of this chunk, codes
     uint8 [n_engram, B, S, R, hd] and scales uint8 [n_engram, B, S, R, hd/32] (io/engram_tables.py).
-    Returns (logits, state): fp32 [B, S, V] if all_logits, else [B, V] at each row's last real token
-    (rows without real tokens get meaningless logits). embeds: the chunk's token embeddings [B, S, d]
+    Returns a StepOutput: logits fp32 [B, S, V] if all_logits, else [B, V] at each row's last real token
+    (rows without real tokens get meaningless logits), the new state, and the outputs the flags below ask for. embeds: the chunk's token embeddings [B, S, d]
     gathered on the host (host-resident embedding; params then need no "embed"). With `streams` (layer-by-layer
-    checks) a third output holds the residual streams after every block, block_out [n_layers, B, S, n, d], and
+    checks) `streams` holds the residual streams after every block, block_out [n_layers, B, S, n, d], and
     right after every Engram update, engram_out [n_engram, B, S, n, d] (absent without Engram layers).
     layout (sharding.Layout): the model runs on a device mesh: the MoE is expert-parallel and the new state
     and the logits are constrained to the layout's shardings (state by sequence slot, logits replicated).
-    training: a last output holds what training needs besides the logits (tools/quality/train.py): "hidden", the final
+    training: `training` holds what training needs besides the logits (tools/quality/train.py): "hidden", the final
     streams X [B, S, n, d] (the MTP blocks' input), and "index_kl" fp32 [2], the indexer objective summed over
     the V4 indexer layers and its number of terms (layers/index_loss.py).
-    hidden: a last output is the final streams X [B, S, n, d] alone (what the MTP drafter reads while decoding).
-    taps (V4.1 with DSpark): a last output is main_hidden [B, S, n_taps*d] in the activation dtype, what the DSpark
+    hidden: `hidden` is the final streams X [B, S, n, d] (what the MTP drafter reads while decoding).
+    taps (V4.1 with DSpark): `taps` is main_hidden [B, S, n_taps*d] in the activation dtype, what the DSpark
     drafter reads (model/dspark.py): per target layer (config.dspark.target_layer_ids, in layer order as DeepSeek
     collects them) the mean over the n streams entering it (after its Engram update), concatenated; gathered
     inside the scans.
@@ -191,16 +205,10 @@ def model_step(params: dict, state: dict, tokens: jax.Array, positions: jax.Arra
     if layout is not None:
         new_state = layout.constrain_state(new_state)
         logits = layout.constrain_logits(logits)
-    outputs = (logits, new_state)
+    recorded = None
     if streams:
         recorded = {"block_out": jnp.stack(block_out)}
         if engram_out:
             recorded["engram_out"] = jnp.stack([x for _, x in sorted(engram_out, key=lambda t: t[0])])
-        outputs += (recorded,)
-    if training:
-        outputs += ({"hidden": s.X, "index_kl": index_kl},)
-    elif hidden:
-        outputs += (s.X,)
-    if taps:
-        outputs += (tapped.reshape(tapped.shape[:2] + (-1,)),)
-    return outputs
+    return StepOutput(logits, new_state, recorded, {"hidden": s.X, "index_kl": index_kl} if training else None,
+                      s.X if hidden else None, tapped.reshape(tapped.shape[:2] + (-1,)) if taps else None)

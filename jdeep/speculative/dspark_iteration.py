@@ -50,8 +50,8 @@ def prefill_chunk(params, state, dstate, tokens, positions, engram, sb, *, confi
     (runtime/sampling.sample, step 0), state, dstate);
     the first token means something only for rows whose prompt ends in this chunk. greedy: every row is greedy (the
     argmax without the sampler's noise: the same token, and no PRNG in the program)."""
-    logits, state, taps = model_step(params, state, tokens, positions, engram, config=config, plan=plan,
-                                     numerics=numerics, taps=True)
+    out = model_step(params, state, tokens, positions, engram, config=config, plan=plan, numerics=numerics, taps=True)
+    logits, state, taps = out.logits, out.state, out.taps
     zero = jnp.zeros(tokens.shape[:1], jnp.int32)
     first = greedy_ids(logits[:, None], sb, zero)[:, 0] if greedy else sample(logits, sb, zero)
     dstate = dspark_append(params, dstate, taps, positions, config=config, plan=plan, numerics=numerics)
@@ -108,8 +108,9 @@ def verify(params, state, dstate, carry: Carry, drafts, q, sb: SamplingBatch, st
     for sl in verify_slices(state, k):
         logs.append(save_undo(state, pos[:, sl], plan=plan))
         eg = None if engram is None else tuple(e[:, :, sl] for e in engram)
-        lg, state, tp = model_step(params, state, tokens[:, sl], pos[:, sl], eg, config=config, plan=plan,
-                                   numerics=numerics, all_logits=True, taps=True)
+        out = model_step(params, state, tokens[:, sl], pos[:, sl], eg, config=config, plan=plan, numerics=numerics,
+                         all_logits=True, taps=True)
+        lg, state, tp = out.logits, out.state, out.taps
         logits.append(lg)
         taps.append(tp)
     return finish(params, state, dstate, carry, drafts, q, logs, logits, taps, sb, stops, max_new, k=k, config=config,

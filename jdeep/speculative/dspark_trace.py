@@ -24,6 +24,11 @@ from ..runtime.steps import length_bucket
 __all__ = ["draft_trace"]
 
 
+
+def _taps(out) -> tuple:
+    """(logits, state, main_hidden) of a model_step(taps=True) output."""
+    return out.logits, out.state, out.taps
+
 def draft_trace(model: Model, prompt_ids, n_steps: int, forced=None, *, pad_to: int | None = None
                 ) -> dict[str, np.ndarray]:
     """Greedy target decoding of one prompt for n_steps steps with a DSpark draft after each.
@@ -59,7 +64,8 @@ def draft_trace(model: Model, prompt_ids, n_steps: int, forced=None, *, pad_to: 
                             jax.devices()[0])
     history = model.new_history(1)
 
-    logits, state, main_hidden = step(params, state, tokens, positions, model.engram_inputs(history, tokens, positions))
+    logits, state, main_hidden = _taps(step(params, state, tokens, positions,
+                                            model.engram_inputs(history, tokens, positions)))
     dstate = append(params, dstate, main_hidden, positions)
     greedy = [int(np.argmax(np.asarray(logits)[0]))]
     path = greedy if forced is None else forced     # the tokens the target is fed and the drafts start from
@@ -67,7 +73,7 @@ def draft_trace(model: Model, prompt_ids, n_steps: int, forced=None, *, pad_to: 
     for s in range(1, n_steps + 1):
         pos = L + s - 1
         tok, at = np.asarray([[path[s - 1]]], np.int32), np.asarray([[pos]], np.int32)
-        logits, state, main_hidden = step(params, state, tok, at, model.engram_inputs(history, tok, at))
+        logits, state, main_hidden = _taps(step(params, state, tok, at, model.engram_inputs(history, tok, at)))
         greedy.append(int(np.argmax(np.asarray(logits)[0])))
         dstate = append(params, dstate, main_hidden, at)
         anchor = int(path[s])

@@ -64,8 +64,9 @@ def _decode_window(params, state, ds, x, p, count, live, sb, start, *, rows, k, 
     kw = dict(rows=rows, k=k, greedy=greedy, config=config, plan=plan, numerics=numerics)
     ds, carry, dr = _draft_window(params, state, ds, x, p, count, live, sb, start, **kw)
     first = _first_slot(ds, rows, start)
-    logits, sw, XB = model_step(params, slot_window(state, rows, first), dr.tokens, dr.pos, config=config, plan=plan,
-                                numerics=numerics, all_logits=True, hidden=True, layout=layout)
+    out = model_step(params, slot_window(state, rows, first), dr.tokens, dr.pos, config=config, plan=plan,
+                     numerics=numerics, all_logits=True, hidden=True, layout=layout)
+    logits, sw, XB = out.logits, out.state, out.hidden
     state = put_slot_window(state, sw, first)
     return _finish_window(params, state, ds, carry, dr, logits, XB, sb, start, **kw)
 
@@ -98,8 +99,9 @@ def _prefill_window(params, state, ds, tokens, positions, next_tokens, ends, sb,
     """A prefill chunk (the backbone, then _tail_window) over slots [start, start + rows) as one program (the scan
     mode). Returns (state, ds, first tokens: acceptance.Emitted [rows])."""
     first_slot = _first_slot(ds, rows, start)
-    logits, sw, X = model_step(params, slot_window(state, rows, first_slot), tokens, positions, config=config,
-                               plan=plan, numerics=numerics, hidden=True, layout=layout)
+    out = model_step(params, slot_window(state, rows, first_slot), tokens, positions, config=config, plan=plan,
+                     numerics=numerics, hidden=True, layout=layout)
+    logits, sw, X = out.logits, out.state, out.hidden
     state = put_slot_window(state, sw, first_slot)
     ds, first = _tail_window(params, ds, logits, X, positions, next_tokens, ends, sb, start, rows=rows, greedy=greedy,
                              config=config, plan=plan, numerics=numerics)

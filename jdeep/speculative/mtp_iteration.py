@@ -72,8 +72,9 @@ def prefill_chunk(params, state, mstate, tokens, positions, next_tokens, sb, *, 
     real position fp32 [B, V], MTP streams there [B, n, d], state, mstate); the first token and MTP outputs mean
     something only for rows whose prompt ends in this chunk. layout: the mesh's (sharding.Layout; None on one
     device), as model_step takes it."""
-    logits, state, X = model_step(params, state, tokens, positions, config=config, plan=plan, numerics=numerics,
-                                  hidden=True, layout=layout)
+    out = model_step(params, state, tokens, positions, config=config, plan=plan, numerics=numerics, hidden=True,
+                     layout=layout)
+    logits, state, X = out.logits, out.state, out.hidden
     first, mlogits, hm, mstate = prefill_tail(params, mstate, logits, X, positions, next_tokens, sb, config=config,
                                               plan=plan, numerics=numerics, greedy=greedy)
     return first, mlogits, hm, state, mstate
@@ -118,8 +119,9 @@ def iteration(params, state, mstate, carry: Carry, sb: SamplingBatch, stops, max
     [B, k+1]: tokens -1 past what the row emits), accepted int32 [B] (-1 for rows that were done))."""
     kw = dict(k=k, config=config, plan=plan, numerics=numerics, greedy=greedy)
     mstate, dr = draft(params, state, mstate, carry, sb, **kw)
-    logits, state, XB = model_step(params, state, dr.tokens, dr.pos, config=config, plan=plan, numerics=numerics,
-                                   all_logits=True, hidden=True, layout=layout)
+    out = model_step(params, state, dr.tokens, dr.pos, config=config, plan=plan, numerics=numerics, all_logits=True,
+                     hidden=True, layout=layout)
+    logits, state, XB = out.logits, out.state, out.hidden
     return finish(params, state, mstate, carry, dr, logits, XB, sb, stops, max_new, keep_logits=keep_logits, **kw)
 
 

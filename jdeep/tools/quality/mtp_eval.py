@@ -30,8 +30,9 @@ def _program(config, plan, numerics, dtype, context: int):
     fp32 [1, C, V] each."""
     def run(params, tokens, positions):
         state = empty_state(config, plan, 1, context, dtype, numerics)
-        logits, _, aux = model_step(params, state, tokens, positions, config=config, plan=plan, numerics=numerics,
-                                    all_logits=True, training=True)
+        out = model_step(params, state, tokens, positions, config=config, plan=plan, numerics=numerics,
+                         all_logits=True, training=True)
+        logits, aux = out.logits, out.training
         next_tokens, mtp_positions = mtp_inputs(tokens, positions)
         mtp_logits, _, _ = mtp_step(params, empty_mtp_state(config, plan, 1, context, dtype, numerics), aux["hidden"],
                                     next_tokens, mtp_positions, config=config, plan=plan,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ...config import ModelConfig
 from ...model.mtp import empty_mtp_state, mtp_inputs, mtp_step
-from ...model.scan import model_step
+from ...model.scan import StepOutput, model_step
 from ...numerics import Numerics
 from ...plan import LayerPlan
 from ...state import empty_state
@@ -61,7 +61,7 @@ def _positions(tokens: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
 
-def _backbone(params: dict, tokens: jax.Array, config: ModelConfig, plan: LayerPlan, training: bool) -> tuple:
+def _backbone(params: dict, tokens: jax.Array, config: ModelConfig, plan: LayerPlan, training: bool) -> StepOutput:
     """model_step over tokens [B, T] from an empty state in float numerics, logits at every position."""
     B, T = tokens.shape
     state = empty_state(config, plan, B, T, jnp.float32, Numerics())
@@ -81,7 +81,8 @@ def train_losses(params: dict, tokens: jax.Array, mask: jax.Array | None = None,
     B, T = tokens.shape
     numerics = Numerics()
     positions = _positions(tokens)
-    logits, _, aux = _backbone(params, tokens, config, plan, training=True)
+    step = _backbone(params, tokens, config, plan, training=True)
+    logits, aux = step.logits, step.training
     out = {"lm": _nll(logits[:, :-1], tokens[:, 1:], mask),
            "index_kl": aux["index_kl"][0] / jnp.maximum(aux["index_kl"][1], 1.0)}
     if plan.mtp is not None:
@@ -101,7 +102,7 @@ def lm_loss(params: dict, tokens: jax.Array, mask: jax.Array | None = None, *, c
             plan: LayerPlan) -> jax.Array:
     """Mean next-token cross-entropy (nats) of tokens int32 [B, T] (mask bool [B, T-1]: the targets that count),
     every row a sequence from position 0, through model_step in float numerics."""
-    logits, _ = _backbone(params, tokens, config, plan, training=False)
+    logits = _backbone(params, tokens, config, plan, training=False).logits
     return _nll(logits[:, :-1], tokens[:, 1:], mask)
 
 

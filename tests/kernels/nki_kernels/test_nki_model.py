@@ -45,7 +45,7 @@ def _steps(model, toks: np.ndarray, pos: np.ndarray) -> list[np.ndarray]:
     history = model.new_history(1)
     out = []
     for _ in range(3):
-        logits, state = step(model.params, state, toks, pos, model.engram_inputs(history, toks, pos))
+        logits, state = step(model.params, state, toks, pos, model.engram_inputs(history, toks, pos))[:2]
         logits = np.asarray(logits)[0]
         T = int((pos[0] >= 0).sum())
         out.append(logits[:T])

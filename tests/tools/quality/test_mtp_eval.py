@@ -34,8 +34,8 @@ def folder(tmp_path_factory):
 def _mtp_logits(params, tokens, positions, nxt, pos, *, config, plan):
     """MTP logits [1, T, V] from the backbone's last recorded block output (model_step's layer-by-layer streams)."""
     T = tokens.shape[1]
-    _, _, rec = model_step(params, empty_state(config, plan, 1, T, jnp.float32), tokens, positions, config=config,
-                           plan=plan, all_logits=True, streams=True)
+    rec = model_step(params, empty_state(config, plan, 1, T, jnp.float32), tokens, positions, config=config,
+                     plan=plan, all_logits=True, streams=True).streams
     logits, _, _ = mtp_step(params, empty_mtp_state(config, plan, 1, T, jnp.float32), rec["block_out"][-1], nxt, pos,
                             config=config, plan=plan)
     return logits
