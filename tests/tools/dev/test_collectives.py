@@ -28,7 +28,7 @@ F32 = 4
 def worker(tmp_path_factory):
     golden_path("v4-tiny-hf")      # skips without the golden folder
     out = tmp_path_factory.mktemp("collectives")
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "tools" / "collectives_worker.py"), str(out),
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "tools" / "dev" / "collectives_worker.py"), str(out),
                            str(GOLDEN_DIR)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((out / "result.json").read_text())
