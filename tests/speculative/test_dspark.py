@@ -154,7 +154,8 @@ def test_taps_are_the_mean_streams_entering_the_target_layers(float_model):
     engram = model.engram_inputs(model.new_history(1), tokens, positions)
     step = jax.jit(lambda p, s, t, q, e: model_step(p, s, t, q, e, config=config, plan=model.plan,
                                                     numerics=model.numerics, streams=True, taps=True))
-    _, _, rec, taps = step(model.params, model.init_state(1, 16), tokens, positions, engram)
+    out = step(model.params, model.init_state(1, 16), tokens, positions, engram)
+    rec, taps = out.streams, out.taps
     engram_out = dict(zip(config.engram.layer_ids, rec["engram_out"]))
     want = [engram_out[1], engram_out[4], rec["block_out"][6]]
     np.testing.assert_array_equal(np.asarray(taps), np.concatenate([np.mean(x, axis=2) for x in want], axis=-1))

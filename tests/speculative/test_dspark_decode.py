@@ -118,7 +118,8 @@ def _assert_plain_replay(model, final, prompts, tokens, max_new, k):
                 toks[b, 0], pos[b, 0] = s[t], t
         chunks.append((toks, pos))
     for toks, pos in chunks:
-        _, state, taps = step(model.params, state, toks, pos, model.engram_inputs(history, toks, pos))
+        out = step(model.params, state, toks, pos, model.engram_inputs(history, toks, pos))
+        state, taps = out.state, out.taps
         dstate = append(model.params, dstate, taps, pos)
     for want, got in [(state, final.state), (dstate, final.dstate)]:
         for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
