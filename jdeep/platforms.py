@@ -23,7 +23,7 @@ import jax
 from .kernels.codecs import E4M3_TRN2_MAX, E4M3FN_MAX
 from .kernels.neuron_target import default_lnc, logical_nc_config, neuron_generation
 
-__all__ = ["Platform", "current", "platform_for", "neuron_generation", "neuron_cc_flags", "configure_neuron",
+__all__ = ["Platform", "device_memory", "current", "platform_for", "neuron_generation", "neuron_cc_flags", "configure_neuron",
            "compile_mode", "COMPILE_MODES", "cache_xla_flags", "logical_nc_config", "default_lnc"]
 
 COMPILE_MODES = ("scan", "regions")
@@ -116,3 +116,15 @@ def cache_xla_flags(existing: str, machine: str | None = None) -> str:
             or any(f.startswith("--xla_cpu_max_isa") for f in flags)):
         return existing
     return " ".join(flags + [CACHE_MAX_ISA_FLAG])
+
+
+def device_memory() -> int:
+    """Bytes of memory of the default device: its allocator's limit (GPU), else the host's RAM (CPU)."""
+    stats = None
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 (backends without memory stats raise various errors)
+        pass
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from .. import kernels, platforms
+from ..platforms import device_memory
 from ..arenas import pack_params as pack
 from ..config import ModelConfig
 from ..io import checkpoint, convert
@@ -27,7 +28,7 @@ from .model import Model, as_jax_dtype
 from .vision import PLACEMENTS, VisionTower
 from .weights import WEIGHT_FORMATS, decode_weights, resident_bytes, to_cpu_bf16
 
-__all__ = ["load", "device_memory"]
+__all__ = ["load"]
 
 
 def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: bool | None = None,
@@ -187,18 +188,6 @@ def _default_weights(params: dict, jdtype, n_devices: int) -> str:
     if fmt == "decoded" and resident_bytes(params, "decoded", jdtype) / n_devices > device_memory() / 2:
         return "codes"
     return fmt
-
-
-def device_memory() -> int:
-    """Bytes of memory of the default device: its allocator's limit (GPU), else the host's RAM (CPU)."""
-    stats = None
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 (backends without memory stats raise various errors)
-        pass
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _rescaler(numerics):

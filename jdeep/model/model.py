@@ -108,9 +108,10 @@ class Model:
     layout: Any = None           # jdeep.sharding.Layout of a model sharded over a device mesh
     vision: Any = None           # jdeep.model.vision.VisionTower of a V4.1 checkpoint with a vision tower
 
-    @property
+    @functools.cached_property
     def spec(self) -> ModelSpec:
-        """What this model's compiled programs depend on besides the weights (model/spec.py): their cache key."""
+        """What this model's compiled programs depend on besides the weights (model/spec.py): their cache key (built
+        once: programs are looked up by it on every step; a changed model is a new Model, dataclasses.replace)."""
         return ModelSpec.of(self)
 
     def __post_init__(self):

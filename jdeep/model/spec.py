@@ -46,7 +46,3 @@ class ModelSpec:
         `platform` (default: JAX's backend; "neuron" where the programs are checked or exported for Neuron)."""
         numerics = Numerics.for_config(config, quantize_activations, fp8_max, packed_kv, platform)
         return cls(config, build_plan(config), numerics, dtype, compile_mode, host_embedding, packed_params)
-
-    def step_kwargs(self) -> dict:
-        """The keyword arguments the model's step functions take for this spec (config, plan, numerics)."""
-        return {"config": self.config, "plan": self.plan, "numerics": self.numerics}

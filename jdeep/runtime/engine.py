@@ -53,7 +53,7 @@ from .scheduler import Iteration, Scheduler
 from .slot_pool import SlotPool
 from .slot_sampling import refuse_unsupported
 from .slots import IterationStats, default_batched_tokens
-from .steps import batch_bucket, length_bucket
+from .steps import batch_bucket, state_length
 
 __all__ = ["Engine", "RequestOutput", "IterationStats", "default_batched_tokens"]
 
@@ -84,8 +84,7 @@ class Engine:
         self.model = model
         self.n_slots = batch_bucket(max_num_seqs)
         self.max_len = max_len
-        cache_len = length_bucket(max_len + (decode_width if decode_width > 1 else 0), 256)
-        self.pool = self.make_pool(cache_len, prefix_cache_bytes)
+        self.pool = self.make_pool(state_length(max_len, decode_width), prefix_cache_bytes)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = default_batched_tokens(self.n_slots * decode_width, prefill_chunk)
         self.scheduler = Scheduler(self.n_slots, max_num_batched_tokens, prefill_chunk, self.pool.window_mode,

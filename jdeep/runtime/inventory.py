@@ -27,9 +27,10 @@ from ..state import move_slot, reset_slots, restore_slot, snapshot_slot
 from .prefix_snapshot import prefix_block, snapshot_sizes
 from .sampling import PenaltyState, abstract_batch, sample, sample_logprobs
 from .scheduler import Scheduler
+from .slot_pool import window_mode_for
 from .slot_sampling import _count, _move, _prompt_outputs, _reset_row, _window
 from .slots import default_batched_tokens
-from .steps import batch_bucket, length_bucket
+from .steps import batch_bucket, state_length
 
 __all__ = ["ProgramSpec", "serving_programs", "slot_programs", "total_programs", "plan_inventory",
            "abstract_program"]
@@ -95,9 +96,9 @@ def plan_inventory(config, max_num_seqs: int, max_len: int, prefill_chunk: int =
     `Engine(model, ...).programs()` returns on one device. Returns (specs, n_slots, the state's length)."""
     n_slots = batch_bucket(max_num_seqs)
     budget = max_num_batched_tokens or default_batched_tokens(n_slots, prefill_chunk)
-    sched = Scheduler(n_slots, budget, prefill_chunk, "pool" if config.engram is not None else "aligned")
+    sched = Scheduler(n_slots, budget, prefill_chunk, window_mode_for(config.engram is not None, mesh=False))
     sizes = snapshot_sizes(prefix_block(config) if prefix_cache else None, max_len)
-    return serving_programs(sched, n_slots, sizes, prompt_logprobs), n_slots, length_bucket(max_len, 256)
+    return serving_programs(sched, n_slots, sizes, prompt_logprobs), n_slots, state_length(max_len)
 
 
 def abstract_program(spec: ProgramSpec, state: Any, vocab: int, n_slots: int, state_len: int

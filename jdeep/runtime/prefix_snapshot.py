@@ -39,7 +39,7 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from ..state import restore_slot, snapshot_slot, state_bytes
-from ..model.load import device_memory
+from ..platforms import device_memory
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache, PrefixPlan
 from .steps import length_bucket
 

@@ -28,13 +28,18 @@ from .slot_sampling import SlotPenalties
 from .slots import Slot
 from .steps import batch_bucket, pack_chunk
 
-__all__ = ["SlotPool", "window_mode_of"]
+__all__ = ["SlotPool", "window_mode_for", "window_mode_of"]
+
+
+def window_mode_for(engram: bool, mesh: bool) -> str:
+    """How the scheduler picks the slots a program steps (scheduler.py): the whole pool for models with Engram
+    (their host-side histories are per pool row), windows starting at slot 0 on a mesh, else aligned windows."""
+    return "pool" if engram else "prefix" if mesh else "aligned"
 
 
 def window_mode_of(model: Model) -> str:
-    """How the scheduler picks the slots a program steps (scheduler.py): the whole pool for models with Engram
-    (their host-side histories are per pool row), windows starting at slot 0 on a mesh, else aligned windows."""
-    return "pool" if model.engram is not None else "prefix" if model.layout is not None else "aligned"
+    """window_mode_for a loaded model."""
+    return window_mode_for(model.engram is not None, model.layout is not None)
 
 
 class SlotPool:

@@ -21,7 +21,7 @@ from ..model.model import Model
 from ..model.vision import chunk_embeds
 from .sampling import PenaltyState, sample, sample_logprobs
 
-__all__ = ["MIN_BUCKET", "length_bucket", "batch_bucket", "pack_chunk", "run_step", "decode_block", "first_done",
+__all__ = ["MIN_BUCKET", "length_bucket", "state_length", "batch_bucket", "pack_chunk", "run_step", "decode_block", "first_done",
            "sample_program", "count_tokens"]
 
 MIN_BUCKET = 16
@@ -30,6 +30,12 @@ MIN_BUCKET = 16
 def length_bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     """Smallest power of two >= max(n, minimum)."""
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def state_length(max_len: int, decode_width: int = 1) -> int:
+    """An engine's decode-state length for requests of up to max_len tokens: a 256-token bucket, with room for the
+    decode_width positions a speculative iteration verifies past max_len."""
+    return length_bucket(max_len + (decode_width if decode_width > 1 else 0), 256)
 
 
 def batch_bucket(n: int) -> int:

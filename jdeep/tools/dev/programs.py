@@ -44,11 +44,13 @@ Target = ModelSpec     # what to build programs for: a model's spec, from a load
 @dataclass(frozen=True)
 class Program:
     name: str            # e.g. "b4.decode" (scan) or "b4.decode.attn.csa.r2" (regions)
-    fn: Callable         # the jitted function
+    fn: Callable         # the jitted function, or functools.partial of one binding its static keyword arguments
     args: tuple          # abstract arguments (pytrees of jax.ShapeDtypeStruct)
     bucket: dict         # {"batch": B, "seq": S, "step": "prefill" | "decode", "max_len": max_len}
 
     def lower(self) -> jax.stages.Lowered:
+        if isinstance(self.fn, functools.partial):
+            return self.fn.func.lower(*self.args, **self.fn.keywords)
         return self.fn.lower(*self.args)
 
 
@@ -147,22 +149,6 @@ def inventory_programs(t: Target, specs: Sequence[ProgramSpec], n_slots: int, st
         if state is None:
             state = step_inputs(t, n_slots, 1, state_len)[1]
         fn, args, static = abstract_program(spec, state, t.config.vocab_size, n_slots, state_len)
-        fn = functools.partial(fn, **static) if static else fn
-        out.append(Program(spec.name, _Lowerable(fn), args, {"batch": spec.rows, "seq": spec.seq,
-                                                             "step": spec.kind, "max_len": state_len}))
+        out.append(Program(spec.name, functools.partial(fn, **static) if static else fn, args,
+                           {"batch": spec.rows, "seq": spec.seq, "step": spec.kind, "max_len": state_len}))
     return out
-
-
-class _Lowerable:
-    """A jitted function with static keyword arguments bound, as Program.fn (lowers with them)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def lower(self, *args):
-        if isinstance(self.fn, functools.partial):
-            return self.fn.func.lower(*args, **self.fn.keywords)
-        return self.fn.lower(*args)
-
-    def __call__(self, *args):
-        return self.fn(*args)
