@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--mesh", help="deployment planning: also print parameter and decode-state bytes per device of this "
                                   "mesh, e.g. data=1,tensor=4,expert=16 (sharded as jdeep.load(..., mesh=) shards)")
     i.add_argument("--batch", type=int, help="with --mesh: sequence slots of the decode state (default 1)")
-    i.add_argument("--max-len", type=int, help="with --mesh: tokens per sequence of the decode state (default 8192)")
+    i.add_argument("--max-len", type=int, help="with --mesh: tokens per sequence of the decode state (default 8192); "
+                                               "with --programs: the longest request, as serve's (default 4096)")
     i.add_argument("--packed-kv", action="store_true", help="with --mesh: the KV caches as uint8 fp8 records")
     i.add_argument("--collectives", action="store_true",
                    help="with --mesh: also compile one decode step and one prefill chunk for the mesh (in a CPU "
@@ -197,6 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(implies --collectives; default 100, a placeholder: pass your link's)")
     i.add_argument("--prefill-len", type=int, help="with --mesh: tokens of the prefill chunk whose collectives are "
                                                    "measured (implies --collectives; default 256)")
+    pr = i.add_argument_group("the programs a deployment compiles", "--programs: count, from the config alone, the "
+                              "programs `jdeep serve` with these settings compiles (its inventory), per kind; in the "
+                              "regions mode (Neuron's) one per region of each model step")
+    pr.add_argument("--programs", action="store_true", help="print the serving inventory's program count")
+    pr.add_argument("--mode", choices=["scan", "regions"], help="compile mode (default: the platform's)")
+    pr.add_argument("--platform", choices=["neuron", "cpu", "gpu"], help="whose kernel choices (default: JAX's "
+                                                                          "backend)")
+    pr.add_argument("--max-num-seqs", type=int, default=8, help="engine slots (default 8, as serve's)")
+    pr.add_argument("--prefill-chunk", type=int, default=256, help="longest prefill chunk (default 256)")
+    pr.add_argument("--max-num-batched-tokens", type=int, help="token positions one iteration may compute")
+    pr.add_argument("--prefix-cache-bytes", type=lambda t: "auto" if t.strip() == "auto" else parse_bytes(t),
+                    default="auto", help="0: no prefix cache (default auto: on)")
+    pr.add_argument("--speculative-tokens", type=int, metavar="K", help="the speculative engine's inventory (MTP for "
+                                                                       "V4, DSpark for V4.1) with K drafts")
     i.set_defaults(fn=cmd_info)
 
     c = sub.add_parser("convert", help="load a checkpoint and save the converted tree with Orbax")

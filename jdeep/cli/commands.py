@@ -36,11 +36,13 @@ from ..tools.dev.graphcheck import Limits, check_lowered
 from ..tools.dev.info import device_footprint, mesh_summary, summary
 from ..tools.perf.mixed_load import run_mixed
 from ..tools.quality.mtp_eval import format_mtp_table, mtp_accuracy
+from ..platforms import compile_mode, platform_for
 from ..runtime.inventory import plan_inventory
-from ..tools.dev.programs import Target, chunk_buckets, inventory_programs, model_programs
+from ..tools.dev.inventory_report import count_inventory, format_inventory
+from ..speculative.inventory import plan_speculative_inventory
+from ..tools.dev.programs import Target, chunk_buckets, inventory_programs, model_programs, speculative_programs
 from ..tools.testing.random_weights import random_checkpoint
 from ..tools.perf.spec_bench import run_speculative
-from ..tools.dev.spec_programs import speculative_programs
 from ..tools.dev.vision_programs import vision_programs
 from .args import batch_sizes, folder_tokenizer, load_kwargs, np_dtype, parse_ints, sampling_params
 
@@ -302,7 +304,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _info_programs(args: argparse.Namespace) -> int:
+    """jdeep info --programs: the serving inventory counted (tools/dev/inventory_report.py)."""
+    if args.mesh is not None:
+        raise ValueError("--programs counts one device's programs; leave out --mesh")
+    config = preset(args.preset) if args.preset else ModelConfig.from_file(args.model)
+    platform = args.platform or jax.default_backend()
+    mode = compile_mode(args.mode, platform_for(platform))
+    t = Target.for_config(config, np_dtype(args.dtype), mode, fp8_max=platform_for(platform).fp8_max,
+                          packed_params=mode == "scan" and platform == "neuron", platform=platform)
+    try:
+        counted = count_inventory(t, args.max_num_seqs, args.max_len or 4096, args.prefill_chunk,
+                                  args.max_num_batched_tokens, args.prefix_cache_bytes != 0, args.speculative_tokens)
+    except ValueError as e:
+        raise SystemExit(f"jdeep info --programs: {e}") from None
+    print(format_inventory(counted))
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
+    if args.programs:
+        return _info_programs(args)
     planning = [f for f, v in (("--batch", args.batch), ("--max-len", args.max_len), ("--packed-kv", args.packed_kv),
                                ("--collectives", args.collectives), ("--link-gbps", args.link_gbps),
                                ("--prefill-len", args.prefill_len)) if v not in (None, False)]
@@ -359,14 +381,23 @@ def _graph_target(args: argparse.Namespace) -> Target:
 
 
 def _deployment_programs(args: argparse.Namespace, target: Target) -> list:
-    """With --max-num-seqs: the plain engine's inventory for the serve settings (runtime/inventory.plan_inventory),
-    lowered under its names (tools/dev/programs.inventory_programs)."""
-    if args.speculative_tokens is not None:
-        raise SystemExit("jdeep: --max-num-seqs lists the plain engine's programs; the speculative engine's are "
-                         "not listed from a config yet (leave out --max-num-seqs for the --batch-sizes grid)")
-    specs, n_slots, state_len = plan_inventory(target.config, args.max_num_seqs, args.max_len, args.prefill_chunk,
-                                               args.max_num_batched_tokens, prefix_cache=args.prefix_cache_bytes != 0)
-    return inventory_programs(target, specs, n_slots, state_len)
+    """With --max-num-seqs: the engine's inventory for the serve settings (runtime/inventory.plan_inventory; with
+    --speculative-tokens the MTP or DSpark engine's, speculative/inventory.plan_speculative_inventory), lowered under
+    its names (tools/dev/programs.inventory_programs)."""
+    prefix_cache = args.prefix_cache_bytes != 0
+    if args.speculative_tokens is None:
+        specs, n_slots, state_len = plan_inventory(target.config, args.max_num_seqs, args.max_len,
+                                                   args.prefill_chunk, args.max_num_batched_tokens,
+                                                   prefix_cache=prefix_cache)
+        return inventory_programs(target, specs, n_slots, state_len)
+    method = "dspark" if target.config.dspark is not None else "mtp"
+    try:
+        specs, n_slots, state_len, drafter = plan_speculative_inventory(
+            target, method, args.speculative_tokens, args.max_num_seqs, args.max_len, args.prefill_chunk,
+            args.max_num_batched_tokens, prefix_cache)
+        return inventory_programs(drafter.spec, specs, n_slots, state_len, drafter=drafter)
+    except ValueError as e:
+        raise SystemExit(f"jdeep: --speculative-tokens {args.speculative_tokens}: {e}") from None
 
 
 def cmd_check_graph(args: argparse.Namespace) -> int:

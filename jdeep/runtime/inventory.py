@@ -47,6 +47,7 @@ class ProgramSpec:
     seq: int = 0              # positions per row (0: not a step)
     variant: str = ""
     programs: int = 1         # compiled programs one run of this entry takes
+    first_use: bool = False   # compiled when a request first needs it, not in warm-up (a rare variant)
 
 
 def slot_programs(sched: Scheduler, n_slots: int, snapshot_sizes: Sequence[int]) -> list[ProgramSpec]:

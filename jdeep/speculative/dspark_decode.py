@@ -39,51 +39,59 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from ..model.model import Model
+from ..model.spec import ModelSpec
 from .dspark_iteration import draft, iterations, verify
 
-__all__ = ["check_dspark_model", "check_k", "dead_tokens", "draft_program", "verify_program", "iterations_program"]
+__all__ = ["check_dspark_model", "check_dspark_spec", "check_k", "dead_tokens", "draft_program", "verify_program", "iterations_program"]
 
 
 def check_dspark_model(model: Model) -> None:
     """Clear errors for what the DSpark drafter needs and this version does not run."""
-    if model.config.dspark is None:
+    check_dspark_spec(model.spec)
+
+
+def check_dspark_spec(spec: ModelSpec) -> None:
+    """check_dspark_model for a model's spec (a loaded model's, or one built from a config for lowering)."""
+    if spec.config.dspark is None:
         raise ValueError("speculative method 'dspark' needs a DeepSeek-V4.1 checkpoint with the DSpark drafter "
                          "(dspark_* in config.json); DeepSeek-V4 checkpoints draft with method 'mtp'")
-    if model.plan.dspark is None:
+    if spec.plan.dspark is None:
         raise ValueError("speculative decoding with method 'dspark' needs the checkpoint's DSpark stages loaded: "
-                         "jdeep.load(path, mtp=True)")
-    if model.host_embed is not None or model.layout is not None:
+                         "jdeep.load(path, drafter=True)")
+    if spec.host_embedding or spec.layout is not None:
         raise ValueError("DSpark speculative decoding runs on one device with the embedding on the device so far (not "
                          "with host embedding or on a mesh)")
 
 
-def check_k(model: Model, k: int) -> None:
-    """num_speculative_tokens k must lie in [1, the DSpark block size]."""
-    block = model.config.dspark.block_size
+def check_k(spec: ModelSpec, k: int) -> None:
+    """num_speculative_tokens k must lie in [1, the DSpark block size] (spec: a ModelSpec or a Model)."""
+    block = spec.config.dspark.block_size
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= block:
         raise ValueError(f"num_speculative_tokens for 'dspark' must lie in [1, {block}] (the checkpoint's "
                          f"dspark_block_size {block}: the drafter drafts one block per iteration), got {k!r}")
 
 
-def _kw(model: Model) -> dict:
-    return dict(config=model.config, plan=model.plan, numerics=model.numerics)
+def _kw(spec: ModelSpec) -> dict:
+    return dict(config=spec.config, plan=spec.plan, numerics=spec.numerics)
 
 
+def draft_program(spec: ModelSpec, greedy: bool):
+    """(params, dstate, carry, sb) -> (drafts int32 [B, block], q or None): dspark_iteration.draft."""
+    return PROGRAMS.keyed("dspark_spec_draft", spec,
+                          lambda: jax.jit(functools.partial(draft, greedy=greedy, **_kw(spec))), greedy=greedy)
 
-def draft_program(model: Model, greedy: bool):
-    return PROGRAMS.keyed("dspark_spec_draft", model.spec,
-                          lambda: jax.jit(functools.partial(draft, greedy=greedy, **_kw(model))), greedy=greedy)
 
-
-def verify_program(model: Model, k: int, greedy: bool, keep_logits: bool = False):
-    return PROGRAMS.keyed("dspark_spec_verify", model.spec, lambda: jax.jit(
-        functools.partial(verify, k=k, greedy=greedy, keep_logits=keep_logits, **_kw(model)), donate_argnums=(1, 2)),
+def verify_program(spec: ModelSpec, k: int, greedy: bool, keep_logits: bool = False):
+    """dspark_iteration.verify (state and dstate donated)."""
+    return PROGRAMS.keyed("dspark_spec_verify", spec, lambda: jax.jit(
+        functools.partial(verify, k=k, greedy=greedy, keep_logits=keep_logits, **_kw(spec)), donate_argnums=(1, 2)),
         k=k, greedy=greedy, keep_logits=keep_logits)
 
 
-def iterations_program(model: Model, k: int, n: int, greedy: bool, keep_logits: bool = False):
-    return PROGRAMS.keyed("dspark_spec_iterations", model.spec, lambda: jax.jit(
-        functools.partial(iterations, n=n, k=k, greedy=greedy, keep_logits=keep_logits, **_kw(model)),
+def iterations_program(spec: ModelSpec, k: int, n: int, greedy: bool, keep_logits: bool = False):
+    """n iterations as one program (dspark_iteration.iterations; state, dstate and carry donated)."""
+    return PROGRAMS.keyed("dspark_spec_iterations", spec, lambda: jax.jit(
+        functools.partial(iterations, n=n, k=k, greedy=greedy, keep_logits=keep_logits, **_kw(spec)),
         donate_argnums=(1, 2, 3)), k=k, n=n, greedy=greedy, keep_logits=keep_logits)
 
 

@@ -23,11 +23,13 @@ import numpy as np
 from ..model.cache import PROGRAMS
 from ..model.dspark import empty_dspark_state
 from ..model.model import Model
-from ..runtime.sampling import INT32_MAX, SamplingBatch
+from ..model.spec import ModelSpec
+from ..runtime.inventory import ProgramSpec
+from ..runtime.sampling import INT32_MAX, SamplingBatch, abstract_batch
 from ..state import move_slot, put_slot_window, slot_window, zero_slots
 from .acceptance import Emitted
 from .drafter import DecodeRows, PrefillChunk, RowCarry, fetch_emitted
-from .dspark_decode import (check_dspark_model, check_k, dead_tokens, draft_program, iterations_program,
+from .dspark_decode import (check_dspark_spec, check_k, dead_tokens, draft_program, iterations_program,
                            verify_program)
 from .dspark_iteration import iteration, prefill_chunk
 from .dspark_regions import RegionsPrograms
@@ -72,51 +74,95 @@ def _move_both(state, dstate, src, dst):
 
 class DSparkDrafter:
     """drafter.Drafter for method "dspark" (a DeepSeek-V4.1 model loaded with its DSpark stages: jdeep.load(path,
-    mtp=True)); k in [1, the checkpoint's dspark_block_size]."""
+    drafter=True)); k in [1, the checkpoint's dspark_block_size]. DSparkDrafter.for_spec(spec, k): without weights,
+    for its programs (inventory lowering) only."""
 
     method = "dspark"
     snapshot_lookahead = 0      # the windows hold the target's taps of each position, nothing after it
 
-    def __init__(self, model: Model, k: int):
-        check_dspark_model(model)
-        check_k(model, k)
-        self.model, self.k = model, k
+    def __init__(self, model: Model | None, k: int, spec: ModelSpec | None = None):
+        self.model, self.spec = model, model.spec if model is not None else spec
+        check_dspark_spec(self.spec)
+        check_k(self.spec, k)
+        self.k = k
         self._regions: dict[tuple[bool, bool], RegionsPrograms] = {}
         # with Engram the draft and the verify are two programs with the host's gather between them; the regions
         # mode's programs are called from the host too
-        self.blocks_on_device = model.engram is None and model.compile_mode == "scan"
+        self.blocks_on_device = self.spec.config.engram is None and self.spec.compile_mode == "scan"
         self.programs_per_decode = 1 if self.blocks_on_device else 2
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec, k: int) -> "DSparkDrafter":
+        return cls(None, k, spec)
 
     def window_mode(self, default: str) -> str:
         # the regions mode's DSpark programs step the whole pool, as models with Engram do
-        return "pool" if self.model.compile_mode == "regions" else default
+        return "pool" if self.spec.compile_mode == "regions" else default
+
+    def empty_state(self, n_slots: int, cache_len: int):
+        """A fresh per-slot state (jax.eval_shape of this gives its shapes)."""
+        t = self.spec
+        return empty_dspark_state(t.config, t.plan, n_slots, cache_len, t.dtype, t.numerics)
 
     def new_state(self, n_slots: int, cache_len: int):
-        m = self.model
-        return jax.device_put(empty_dspark_state(m.config, m.plan, n_slots, cache_len, m.dtype, m.numerics),
-                              jax.devices()[0])
+        return jax.device_put(self.empty_state(n_slots, cache_len), jax.devices()[0])
+
+    def slot_program(self, name: str):
+        """The jitted slot program `name` (drafter.SLOT_PROGRAMS): reset (dstate, mask), move (state, dstate, src,
+        dst), snapshot (dstate, slot), restore (dstate, snap, slot)."""
+        return {"reset": lambda: PROGRAMS.jit(zero_slots, donate_argnums=(0,)),
+                "move": lambda: PROGRAMS.jit(_move_both, donate_argnums=(0, 1)),
+                "snapshot": lambda: PROGRAMS.jit(_slot_rows),
+                "restore": lambda: PROGRAMS.jit(put_slot_window, donate_argnums=(0,))}[name]()
 
     def reset_slots(self, dstate, mask):
-        return PROGRAMS.jit(zero_slots, donate_argnums=(0,))(dstate, mask)
+        return self.slot_program("reset")(dstate, mask)
 
     def move_slot(self, state, dstate, src, dst):
-        return PROGRAMS.jit(_move_both, donate_argnums=(0, 1))(state, dstate, src, dst)
+        return self.slot_program("move")(state, dstate, src, dst)
 
     def snapshot(self, dstate, slot):
-        return PROGRAMS.jit(_slot_rows)(dstate, slot)
+        return self.slot_program("snapshot")(dstate, slot)
 
     def restore(self, dstate, snap, slot):
-        return PROGRAMS.jit(put_slot_window, donate_argnums=(0,))(dstate, snap, slot)
+        return self.slot_program("restore")(dstate, snap, slot)
+
+    def step_programs(self, entry: ProgramSpec, params, state, dstate) -> list[tuple[str, object, tuple]]:
+        """[(name, jitted program, abstract args)] of a "spec.decode" or "spec.prefill" inventory entry over abstract
+        params, state and dstate (jax.ShapeDtypeStruct trees): the programs `decode` / `prefill` run for it (the
+        regions mode's: dspark_regions.RegionsPrograms.programs, over the whole pool)."""
+        t, n, greedy, name = self.spec, entry.rows, entry.variant == "greedy", entry.name
+        sb = abstract_batch(n)
+        if t.compile_mode == "regions":
+            return self._regions_programs(greedy).programs(name, params, state, dstate, sb,
+                                                           entry.seq if entry.kind == "spec.prefill" else None)
+        start = jax.ShapeDtypeStruct((), jnp.int32)
+        ivec, bvec = jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.bool_)
+        if entry.kind == "spec.prefill":
+            ids = jax.ShapeDtypeStruct((n, entry.seq), jnp.int32)
+            return [(name, self._program(_prefill_window, n, greedy=greedy),
+                     (params, state, dstate, ids, ids, t.abstract_engram(n, entry.seq), sb, start))]
+        if self.blocks_on_device:
+            return [(name, self._program(_decode_window, n, k=self.k, greedy=greedy),
+                     (params, state, dstate, ivec, ivec, ivec, bvec, sb, start))]
+        carry = RowCarry(ivec, ivec, ivec, bvec)
+        draft_p = draft_program(t, greedy)
+        drafts, q = jax.eval_shape(draft_p, params, dstate, carry, sb)
+        stops, max_new = jax.eval_shape(lambda: _no_stops(n))
+        return [(f"{name}.draft", draft_p, (params, dstate, carry, sb)),
+                (f"{name}.verify", verify_program(t, self.k, greedy),
+                 (params, state, dstate, carry, drafts, q, sb, stops, max_new, t.abstract_engram(n, self.k + 1)))]
 
     def _regions_programs(self, greedy: bool, keep_logits: bool = False) -> RegionsPrograms:
         if (greedy, keep_logits) not in self._regions:
-            self._regions[greedy, keep_logits] = RegionsPrograms(self.model, self.k, greedy, keep_logits)
+            self._regions[greedy, keep_logits] = RegionsPrograms(self.spec, self.k, greedy, keep_logits,
+                                                                 None if self.model is None else self.model.put)
         return self._regions[greedy, keep_logits]
 
     def _program(self, fn, rows: int, **extra):
-        m = self.model
-        return PROGRAMS.keyed(f"{self.method}.{fn.__name__}", m.spec, lambda: jax.jit(functools.partial(
-            fn, rows=rows, config=m.config, plan=m.plan, numerics=m.numerics, **extra), donate_argnums=(1, 2)),
+        t = self.spec
+        return PROGRAMS.keyed(f"{self.method}.{fn.__name__}", t, lambda: jax.jit(functools.partial(
+            fn, rows=rows, config=t.config, plan=t.plan, numerics=t.numerics, **extra), donate_argnums=(1, 2)),
             rows=rows, **extra)
 
     def prefill(self, state, dstate, chunk: PrefillChunk, sb: SamplingBatch, greedy: bool, history,
@@ -151,7 +197,7 @@ class DSparkDrafter:
               logprobs: bool = False, logits: bool = False):
         m = self.model
         if self.blocks_on_device:
-            state, dstate, carry, emitted, a = iterations_program(m, self.k, n, greedy, logits)(
+            state, dstate, carry, emitted, a = iterations_program(m.spec, self.k, n, greedy, logits)(
                 m.params, state, dstate, carry, sb, stops, max_new)
             return state, dstate, carry, fetch_emitted(m, emitted, logprobs, logits), m.fetch(a)
         state, dstate, carry, emitted, a = self._host_iteration(state, dstate, carry, sb, stops, max_new, greedy,
@@ -166,14 +212,14 @@ class DSparkDrafter:
         mode's programs. Returns (state, dstate, carry, emitted, accepted) on the device."""
         m, k = self.model, self.k
         rp = self._regions_programs(greedy, keep_logits) if m.compile_mode == "regions" else None
-        drafts, q = (draft_program(m, greedy) if rp is None else rp.drafts)(m.params, dstate, carry, sb)
+        drafts, q = (draft_program(m.spec, greedy) if rp is None else rp.drafts)(m.params, dstate, carry, sb)
         if history is not None:
             x, p, done = m.fetch(carry.x), m.fetch(carry.p), m.fetch(carry.done)
             tokens = np.concatenate([x[:, None], m.fetch(drafts)[:, :k]], axis=1).astype(np.int32)
             pos = np.where(done[:, None], -1, p[:, None] + np.arange(k + 1, dtype=np.int32)[None, :]).astype(np.int32)
             seen = history.copy()
         if rp is None:
-            state, dstate, carry, emitted, a, kept = verify_program(m, k, greedy, keep_logits)(
+            state, dstate, carry, emitted, a, kept = verify_program(m.spec, k, greedy, keep_logits)(
                 m.params, state, dstate, carry, drafts, q, sb, stops, max_new, m.engram_inputs(seen, tokens, pos))
         else:
             engram = None if history is None else [m.engram_inputs(seen, tokens[:, sl], pos[:, sl])

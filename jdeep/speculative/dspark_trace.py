@@ -33,7 +33,7 @@ def draft_trace(model: Model, prompt_ids, n_steps: int, forced=None, *, pad_to: 
                 ) -> dict[str, np.ndarray]:
     """Greedy target decoding of one prompt for n_steps steps with a DSpark draft after each.
 
-    model: jdeep.load(..., mtp=True) of a DeepSeek-V4.1 checkpoint with DSpark (one device, device embedding).
+    model: jdeep.load(..., drafter=True) of a DeepSeek-V4.1 checkpoint with DSpark (one device, device embedding).
     forced (optional, int [n_steps+1]): teacher forcing, the tokens fed to the target and drafted from instead of
     its own greedy choices (to compare drafts where a chaotic target would otherwise drift off a reference path).
     pad_to: the prefill chunk length (>= the prompt's; default its power-of-two bucket); prompts traced with one
@@ -88,7 +88,7 @@ def draft_trace(model: Model, prompt_ids, n_steps: int, forced=None, *, pad_to: 
 
 def _check(model: Model) -> None:
     if model.plan.dspark is None:
-        raise ValueError("draft_trace needs the DSpark stages: jdeep.load(..., mtp=True) on a DeepSeek-V4.1 "
+        raise ValueError("draft_trace needs the DSpark stages: jdeep.load(..., drafter=True) on a DeepSeek-V4.1 "
                          "checkpoint with DSpark")
     if model.compile_mode != "scan" or model.host_embed is not None or model.layout is not None:
         raise ValueError("draft_trace runs the scan compile mode on one device with the embedding on the device "

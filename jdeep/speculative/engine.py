@@ -21,7 +21,7 @@ import numpy as np
 
 from ..model.model import Model
 from ..runtime.engine import Engine
-from ..runtime.inventory import ProgramSpec, slot_programs
+from ..runtime.inventory import ProgramSpec
 from ..runtime.prefix_snapshot import snapshot_prefills, snapshot_sizes
 from ..runtime.runner import Runner, Tokens
 from ..runtime.sampling import SamplingParams, host_batch
@@ -33,6 +33,7 @@ from ..runtime.warmup import WarmContext
 from .config import parse_speculative
 from .drafter import DecodeRows, Drafter, Emitted, PrefillChunk
 from .dspark_drafter import DSparkDrafter
+from .inventory import drafting_programs
 from .mtp_drafter import MtpDrafter
 from .stats import SpecStats
 
@@ -149,23 +150,26 @@ class SpeculativeRunner(Runner):
         return new, self._logprobs(first, want, w.start, new)
 
     def programs(self, max_len: int, prompt_logprobs: bool = True) -> list[ProgramSpec]:
-        """The slot pool's programs (inventory.slot_programs), then per window size the decode iteration and per
-        (window size, chunk bucket) the prefill program, each in its greedy and sampled variant; a decode entry holds
-        Drafter.programs_per_decode compiled programs. prompt_logprobs: unused (speculation refuses them)."""
-        sched, k = self.scheduler, self.drafter.k
-        out = slot_programs(sched, self.pool.n_slots, snapshot_sizes(self.pool.snapshot_block, max_len))
-        for n in sched.decode_programs():
-            out += [ProgramSpec(f"b{n}.spec{k}.decode.{v}", "spec.decode", n, k + 1, v,
-                                self.drafter.programs_per_decode) for v in ("greedy", "sampled")]
-        for n, S in sched.prefill_programs():
-            out += [ProgramSpec(f"b{n}.spec.prefill{S}.{v}", "spec.prefill", n, S, v) for v in ("greedy", "sampled")]
-        return out
+        """The speculative inventory (inventory.drafting_programs): the slot pool's and drafter's slot programs, per
+        window size the decode iteration and per (window size, chunk bucket) the prefill program, each greedy and
+        sampled. prompt_logprobs: unused (speculation refuses them)."""
+        return drafting_programs(self.scheduler, self.pool.n_slots,
+                                 snapshot_sizes(self.pool.snapshot_block, max_len), self.drafter)
 
     def warm(self, spec: ProgramSpec, ctx: WarmContext) -> None:
         """Run one entry of `programs` on rows at position -1 (no state, drafter state or Engram history changes)."""
         pool, n = self.pool, spec.rows
         greedy = spec.variant == "greedy"
-        if spec.kind == "spec.decode":
+        zero = self.model.put(np.int32(0))
+        if spec.name == "drafter.reset":
+            pool.dstate = self.drafter.reset_slots(pool.dstate, self.model.put(np.zeros(pool.n_slots, bool)))
+        elif spec.name == "drafter.move":
+            pool.move_state(zero, zero)
+        elif spec.name == "drafter.snapshot.out":
+            ctx.snapshots["drafter"] = self.drafter.snapshot(pool.dstate, zero)
+        elif spec.name == "drafter.snapshot.in":
+            pool.dstate = self.drafter.restore(pool.dstate, ctx.snapshots.pop("drafter"), zero)
+        elif spec.kind == "spec.decode":
             pool.state, pool.dstate, _, _ = self.drafter.decode(pool.state, pool.dstate, DecodeRows.idle(n),
                                                                 host_batch([SamplingParams()] * n), greedy,
                                                                 pool.history)

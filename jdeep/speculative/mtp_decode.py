@@ -19,20 +19,26 @@ from ..model.cache import PROGRAMS
 from ..model.model import Model
 from ..model.mtp import empty_mtp_state, init_mtp_state
 from ..model.regions import regions_step
+from ..model.spec import ModelSpec
 from .mtp_iteration import draft, finish, iterations, mtp_params
 
-__all__ = ["check_mtp_model", "new_mtp_state", "ScanPrograms", "RegionsPrograms", "programs"]
+__all__ = ["check_mtp_model", "check_mtp_spec", "new_mtp_state", "ScanPrograms", "RegionsPrograms", "programs"]
 
 
 def check_mtp_model(model: Model) -> None:
     """Clear errors for what the MTP drafter needs and this version does not run."""
-    if model.engram is not None or model.config.dspark is not None or model.config.sharing is not None:
+    check_mtp_spec(model.spec)
+
+
+def check_mtp_spec(spec: ModelSpec) -> None:
+    """check_mtp_model for a model's spec (a loaded model's, or one built from a config for lowering)."""
+    if spec.config.engram is not None or spec.config.dspark is not None or spec.config.sharing is not None:
         raise ValueError("speculative method 'mtp' is for DeepSeek-V4 checkpoints; DeepSeek-V4.1 drafts with its "
                          "DSpark drafter: speculative={'method': 'dspark', 'num_speculative_tokens': k}")
-    if model.plan.mtp is None:
+    if spec.plan.mtp is None:
         raise ValueError("speculative decoding with method 'mtp' needs the checkpoint's MTP block loaded: "
-                         "jdeep.load(path, mtp=True) (a checkpoint without mtp.* weights has none)")
-    if model.host_embed is not None:
+                         "jdeep.load(path, drafter=True) (a checkpoint without mtp.* weights has none)")
+    if spec.host_embedding:
         raise ValueError("MTP speculative decoding needs the embedding on the device (the MTP block embeds the "
                          "drafts): load without host_embedding")
 

@@ -22,12 +22,15 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from ..model.model import Model
+from ..model.mtp import empty_mtp_state
 from ..model.regions import regions_step
 from ..model.scan import model_step
-from ..runtime.sampling import INT32_MAX, SamplingBatch
+from ..model.spec import ModelSpec
+from ..runtime.inventory import ProgramSpec
+from ..runtime.sampling import INT32_MAX, SamplingBatch, abstract_batch
 from ..state import move_slot, put_slot_window, slot_window, zero_slots
 from .drafter import DecodeRows, PrefillChunk, RowCarry, fetch_emitted
-from .mtp_decode import check_mtp_model, new_mtp_state, programs
+from .mtp_decode import check_mtp_spec, new_mtp_state, programs
 from .mtp_iteration import Carry, draft, finish, mtp_params, prefill_tail
 
 __all__ = ["MtpDrafter", "MtpSlots"]
@@ -41,6 +44,10 @@ class MtpSlots(NamedTuple):
     mstate: dict
     mlogits: jax.Array
     hm: jax.Array
+
+
+def _abstract(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def _rows_of(a: jax.Array, rows: int, start) -> jax.Array:
@@ -132,8 +139,8 @@ def _move_all(state, ds, src, dst):
                                                                                             src, dst))
 
 
-def _slot_rows(tree, slot):
-    return slot_window(tree, 1, slot)
+def _slot_windows(ds: MtpSlots, slot):
+    return slot_window(ds.mstate, 1, slot)
 
 
 def _restore_windows(ds, snap, slot):
@@ -145,21 +152,34 @@ def _reset(ds, mask):
 
 
 class MtpDrafter:
-    """drafter.Drafter for method "mtp" (a DeepSeek-V4 model loaded with its MTP block: jdeep.load(path, mtp=True))."""
+    """drafter.Drafter for method "mtp" (a DeepSeek-V4 model loaded with its MTP block: jdeep.load(path, drafter=True));
+    MtpDrafter.for_spec(spec, k): without weights, for its programs (inventory lowering) only."""
 
     method = "mtp"
     programs_per_decode = 1
     blocks_on_device = True
     snapshot_lookahead = 1      # the window entry at a prefix's last position holds the token after it
 
-    def __init__(self, model: Model, k: int):
-        check_mtp_model(model)
+    def __init__(self, model: Model | None, k: int, spec: ModelSpec | None = None):
+        self.model, self.spec = model, model.spec if model is not None else spec
+        check_mtp_spec(self.spec)
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {k!r}")
-        self.model, self.k = model, k
+        self.k = k
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec, k: int) -> "MtpDrafter":
+        return cls(None, k, spec)
 
     def window_mode(self, default: str) -> str:
         return default
+
+    def empty_state(self, n_slots: int, cache_len: int) -> MtpSlots:
+        """A fresh per-slot state (on the default device; jax.eval_shape of this gives its shapes)."""
+        t = self.spec
+        n, d = t.config.hc_mult, t.config.dim
+        return MtpSlots(empty_mtp_state(t.config, t.plan, n_slots, cache_len, t.dtype, t.numerics),
+                        jnp.zeros((n_slots, t.config.vocab_size), jnp.float32), jnp.zeros((n_slots, n, d), t.dtype))
 
     def new_state(self, n_slots: int, cache_len: int) -> MtpSlots:
         m = self.model
@@ -168,33 +188,50 @@ class MtpDrafter:
         carry = jax.device_put(carry, jax.devices()[0]) if m.layout is None else m.layout.put_tree(carry)
         return MtpSlots(new_mtp_state(m, n_slots, cache_len), *carry)
 
+    def slot_program(self, name: str):
+        """The jitted slot program `name` (drafter.SLOT_PROGRAMS): reset (dstate, mask), move (state, dstate, src,
+        dst), snapshot (dstate, slot), restore (dstate, snap, slot)."""
+        return {"reset": lambda: PROGRAMS.jit(_reset, donate_argnums=(0,)),
+                "move": lambda: PROGRAMS.jit(_move_all, donate_argnums=(0, 1)),
+                "snapshot": lambda: PROGRAMS.jit(_slot_windows),   # mlogits and hm are set after any snapshot point
+                "restore": lambda: PROGRAMS.jit(_restore_windows, donate_argnums=(0,))}[name]()
+
     def reset_slots(self, dstate: MtpSlots, mask) -> MtpSlots:
-        return PROGRAMS.jit(_reset, donate_argnums=(0,))(dstate, mask)
+        return self.slot_program("reset")(dstate, mask)
 
     def move_slot(self, state, dstate: MtpSlots, src, dst):
-        return PROGRAMS.jit(_move_all, donate_argnums=(0, 1))(state, dstate, src, dst)
+        return self.slot_program("move")(state, dstate, src, dst)
 
     def snapshot(self, dstate: MtpSlots, slot):
-        # the windows only: mlogits and hm are set when the prompt ends, after any snapshot point
-        return PROGRAMS.jit(_slot_rows)(dstate.mstate, slot)
+        return self.slot_program("snapshot")(dstate, slot)
 
     def restore(self, dstate: MtpSlots, snap, slot) -> MtpSlots:
-        return PROGRAMS.jit(_restore_windows, donate_argnums=(0,))(dstate, snap, slot)
+        return self.slot_program("restore")(dstate, snap, slot)
 
     def _program(self, fn, rows: int, donate: tuple[int, ...] = (1, 2), **extra):
-        m = self.model
-        return PROGRAMS.keyed(f"{self.method}.{fn.__name__}", m.spec, lambda: jax.jit(functools.partial(
-            fn, rows=rows, config=m.config, plan=m.plan, numerics=m.numerics, **extra), donate_argnums=donate),
+        t = self.spec
+        return PROGRAMS.keyed(f"{self.method}.{fn.__name__}", t, lambda: jax.jit(functools.partial(
+            fn, rows=rows, config=t.config, plan=t.plan, numerics=t.numerics, **extra), donate_argnums=donate),
             rows=rows, **extra)
+
+    def _regions_decode(self, rows: int, greedy: bool):
+        """The regions mode's iteration parts: (draft program, regions verify step, finish program)."""
+        t = self.spec
+        return (self._program(_draft_window, rows, donate=(2,), k=self.k, greedy=greedy),   # state: read
+                regions_step(t.config, t.plan, t.numerics, True, rows, t.layout, hidden=True),
+                self._program(_finish_window, rows, k=self.k, greedy=greedy))
+
+    def _regions_prefill(self, rows: int, greedy: bool):
+        """The regions mode's prefill parts: (regions backbone step, MTP tail program)."""
+        t = self.spec
+        return (regions_step(t.config, t.plan, t.numerics, False, rows, t.layout, hidden=True),
+                self._program(_tail_window, rows, donate=(1,), greedy=greedy))
 
     def _decode_program(self, rows: int, greedy: bool):
         """(params, state, ds, x, p, count, live, sb, start) -> (state, ds, emitted, accepted) (module docstring)."""
-        m = self.model
-        if m.compile_mode != "regions":
-            return self._program(_decode_window, rows, k=self.k, greedy=greedy, layout=m.layout)
-        draft_p = self._program(_draft_window, rows, donate=(2,), k=self.k, greedy=greedy)   # state: read
-        finish_p = self._program(_finish_window, rows, k=self.k, greedy=greedy)
-        verify = regions_step(m.config, m.plan, m.numerics, True, rows, m.layout, hidden=True)
+        if self.spec.compile_mode != "regions":
+            return self._program(_decode_window, rows, k=self.k, greedy=greedy, layout=self.spec.layout)
+        draft_p, verify, finish_p = self._regions_decode(rows, greedy)
 
         def run(params, state, ds, x, p, count, live, sb, start):
             mp = mtp_params(params)
@@ -205,17 +242,45 @@ class MtpDrafter:
 
     def _prefill_program(self, rows: int, greedy: bool):
         """(params, state, ds, tokens, positions, next_tokens, ends, sb, start) -> (state, ds, first)."""
-        m = self.model
-        if m.compile_mode != "regions":
-            return self._program(_prefill_window, rows, greedy=greedy, layout=m.layout)
-        tail = self._program(_tail_window, rows, donate=(1,), greedy=greedy)
-        backbone = regions_step(m.config, m.plan, m.numerics, False, rows, m.layout, hidden=True)
+        if self.spec.compile_mode != "regions":
+            return self._program(_prefill_window, rows, greedy=greedy, layout=self.spec.layout)
+        backbone, tail = self._regions_prefill(rows, greedy)
 
         def run(params, state, ds, tokens, positions, next_tokens, ends, sb, start):
             (logits, X), state = backbone(params, state, tokens, positions, start=start)
             ds, first = tail(mtp_params(params), ds, logits, X, positions, next_tokens, ends, sb, start)
             return state, ds, first
         return run
+
+    def step_programs(self, entry: ProgramSpec, params, state, dstate) -> list[tuple[str, object, tuple]]:
+        """[(name, jitted program, abstract args)] of a "spec.decode" or "spec.prefill" inventory entry over abstract
+        params, state and dstate (jax.ShapeDtypeStruct trees): the programs `decode` / `prefill` run for it."""
+        n, greedy, name = entry.rows, entry.variant == "greedy", entry.name
+        sb, start, ivec, bvec = abstract_batch(n), _abstract((), jnp.int32), _abstract((n,), jnp.int32), \
+            _abstract((n,), jnp.bool_)
+        regions = self.spec.compile_mode == "regions"
+        if entry.kind == "spec.decode":
+            args = (params, state, dstate, ivec, ivec, ivec, bvec, sb, start)
+            if not regions:
+                return [(name, self._decode_program(n, greedy), args)]
+            draft_p, verify, finish_p = self._regions_decode(n, greedy)
+            dargs = (mtp_params(params),) + args[1:]
+            ds, carry, dr = jax.eval_shape(draft_p, *dargs)
+            (logits, XB), _ = jax.eval_shape(lambda p, s, t, q, i: verify(p, s, t, q, start=i),
+                                             params, state, dr.tokens, dr.pos, start)
+            return ([(f"{name}.draft", draft_p, dargs)] +
+                    [(f"{name}.verify.{r}", fn, a) for r, fn, a in verify.programs(params, state, dr.tokens, dr.pos,
+                                                                                  start=start)] +
+                    [(f"{name}.finish", finish_p, (dargs[0], state, ds, carry, dr, logits, XB, sb, start))])
+        ids = _abstract((n, entry.seq), jnp.int32)
+        args = (params, state, dstate, ids, ids, ids, bvec, sb, start)
+        if not regions:
+            return [(name, self._prefill_program(n, greedy), args)]
+        backbone, tail = self._regions_prefill(n, greedy)
+        (logits, X), _ = jax.eval_shape(lambda p, s, t, q, i: backbone(p, s, t, q, start=i), params, state, ids, ids,
+                                        start)
+        return ([(f"{name}.{r}", fn, a) for r, fn, a in backbone.programs(params, state, ids, ids, start=start)] +
+                [(f"{name}.tail", tail, (mtp_params(params), dstate, logits, X, ids, ids, bvec, sb, start))])
 
     def prefill(self, state, dstate: MtpSlots, chunk: PrefillChunk, sb: SamplingBatch, greedy: bool, history,
                 logprobs: bool = False, logits: bool = False):

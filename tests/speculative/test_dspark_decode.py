@@ -156,7 +156,7 @@ def test_dspark_requests_that_cannot_run_fail_clearly(model, folder):
         jdeep.generate(model, prompt, speculative={"method": "dspark", "num_speculative_tokens": 6})
     with pytest.raises(ValueError, match="'method': 'dspark'"):
         jdeep.generate(model, prompt, speculative={"method": "mtp", "num_speculative_tokens": 1})
-    with pytest.raises(ValueError, match=r"mtp=True"):
+    with pytest.raises(ValueError, match=r"drafter=True"):
         jdeep.generate(jdeep.load(folder, quantize_activations=False), prompt, speculative={"method": "dspark"})
     with pytest.raises(ValueError, match="DeepSeek-V4 checkpoints draft with method 'mtp'"):
         jdeep.generate(jdeep.load(DEMO, mtp=True), prompt, speculative={"method": "dspark"})

@@ -65,8 +65,9 @@ def test_dspark_engine_with_engram_gives_the_plain_engines_tokens(golden, monkey
 
     eng = SpeculativeEngine(golden, {"method": "dspark", "num_speculative_tokens": k}, **ENGINE)
     state = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves((eng.state, eng.dstate))]
-    # the pool: (draft + verify, prefill 16) x (greedy, sampled), the slot reset: the engine's inventory
-    assert eng.warmup() == total_programs(eng.programs()) == 2 * 2 + 2 + 1
+    # the pool: (draft + verify, prefill 16) x (greedy, sampled), the target's and the drafter's slot resets: the
+    # engine's inventory
+    assert eng.warmup() == total_programs(eng.programs()) == 2 * 2 + 2 + 2
     for before, after in zip(state, jax.tree_util.tree_leaves((eng.state, eng.dstate))):
         np.testing.assert_array_equal(before, np.asarray(after))
 

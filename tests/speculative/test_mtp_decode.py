@@ -98,7 +98,7 @@ def test_speculative_requests_that_cannot_run_fail_clearly(models):
                        ({"method": "mtp", "k": 2}, "unknown speculative field"), ("mtp", "must be a dict")]:
         with pytest.raises(ValueError, match=what):
             jdeep.generate(model, prompt, speculative=spec)
-    with pytest.raises(ValueError, match="mtp=True"):
+    with pytest.raises(ValueError, match="drafter=True"):
         jdeep.generate(jdeep.load(DEMO), prompt, speculative={"method": "mtp"})
 
 

@@ -59,8 +59,9 @@ def test_speculative_engine_gives_the_plain_engines_tokens(model):
 
     eng = SpeculativeEngine(model, SPEC, **ENGINE)
     state = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(eng.state)]
-    # windows 1, 2 x (decode, prefill 16) x (greedy, sampled), the slot reset and move: the engine's inventory
-    assert eng.warmup() == len(eng.programs()) == 2 * 2 * 2 + 2
+    # windows 1, 2 x (decode, prefill 16) x (greedy, sampled), the target's and the drafter's slot resets, the move
+    # of both states: the engine's inventory
+    assert eng.warmup() == len(eng.programs()) == 2 * 2 * 2 + 3
     for before, after in zip(state, jax.tree_util.tree_leaves(eng.state)):
         np.testing.assert_array_equal(before, np.asarray(after))
     compiles = []

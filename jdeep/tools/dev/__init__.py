@@ -1,2 +1,2 @@
-"""Developer tools: check-graph (graphcheck/), the programs a config compiles (programs.py, spec_programs.py,
-dspark_programs.py, vision_programs.py), export, the Neuron bring-up doctor, size and collective accounting."""
+"""Developer tools: check-graph (graphcheck/), the programs a config compiles (programs.py: the engines'
+inventories lowered from a config, and the batch-size grid; vision_programs.py), export, the Neuron bring-up doctor, size and collective accounting."""

@@ -19,18 +19,17 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from ...arenas import pack_params
 from ...model.cache import PROGRAMS, ProgramCache
 from ...model.model import compiled_rows_step, compiled_step
 from ...model.regions import regions_step
 from ...model.spec import ModelSpec
-from ...param_spec import abstract_params
 from ...runtime.inventory import ProgramSpec, abstract_program
 from ...runtime.sampling import SamplingBatch, abstract_batch
 from ...runtime.steps import length_bucket
-from ...state import init_state
+from ...speculative.inventory import drafter_for_spec, drafter_programs
 
-__all__ = ["Target", "Program", "model_programs", "step_programs", "inventory_programs", "chunk_buckets", "step_inputs", "sampling_inputs",
+__all__ = ["Target", "Program", "model_programs", "step_programs", "inventory_programs", "speculative_programs",
+           "chunk_buckets", "step_inputs", "sampling_inputs",
            "SERVING_BATCH_SIZES", "SERVING_PREFILL_LEN", "SERVING_PREFILL_TOKENS"]
 
 SERVING_BATCH_SIZES: tuple[int, ...] = tuple(1 << i for i in range(9))    # 1, 2, 4, ..., 256 sequence slots
@@ -60,21 +59,9 @@ def _spec(tree):
 
 def step_inputs(t: Target, B: int, S: int, max_len: int) -> tuple:
     """Abstract (params, state, tokens, positions, engram, embeds) of a step over B slots and S tokens."""
-    params = abstract_params(t.config, t.plan, t.dtype)
-    if t.host_embedding:
-        params = {k: v for k, v in params.items() if k != "embed"}
-    if t.packed_params:
-        params = pack_params(params)
-    state = jax.eval_shape(lambda: init_state(t.config, t.plan, B, max_len, t.dtype, t.numerics))
     ids = jax.ShapeDtypeStruct((B, S), jnp.int32)
-    engram = None
-    if t.config.engram is not None:
-        e = t.config.engram
-        lead = (len(e.layer_ids), B, S, e.rows_per_token)
-        engram = (jax.ShapeDtypeStruct(lead + (e.head_dim,), jnp.uint8),
-                  jax.ShapeDtypeStruct(lead + (e.head_dim // 32,), jnp.uint8))
     embeds = jax.ShapeDtypeStruct((B, S, t.config.dim), t.dtype) if t.host_embedding else None
-    return params, state, ids, ids, engram, embeds
+    return t.abstract_params(), t.abstract_state(B, max_len), ids, ids, t.abstract_engram(B, S), embeds
 
 
 def sampling_inputs(B: int) -> SamplingBatch:
@@ -133,22 +120,49 @@ def step_programs(t: Target, name: str, step: str, B: int, S: int, max_len: int,
 
 
 def inventory_programs(t: Target, specs: Sequence[ProgramSpec], n_slots: int, state_len: int,
-                       cache: ProgramCache = PROGRAMS) -> list[Program]:
-    """An engine's inventory (runtime/inventory.py: Engine.programs, plan_inventory) lowered from the config alone,
-    entry by entry under the inventory's names (a step in the regions mode: one program per region,
-    "{name}.{region}"): model steps as step_programs builds them over an n_slots-slot state of state_len tokens,
-    the rest as the engine runs them (inventory.abstract_program)."""
+                       cache: ProgramCache = PROGRAMS, drafter=None) -> list[Program]:
+    """An engine's inventory (runtime/inventory.py: Engine.programs, plan_inventory; speculative/inventory.py:
+    plan_speculative_inventory, with its weightless `drafter`) lowered from the config alone, entry by entry under the
+    inventory's names (a step in the regions mode: one program per region, "{name}.{region}"; a drafter entry that
+    runs several programs: one each, "{name}.{part}"): model steps as step_programs builds them over an n_slots-slot
+    state of state_len tokens, the rest as the engine runs them (inventory.abstract_program,
+    speculative.inventory.drafter_programs)."""
     out = []
     state = None
     for spec in specs:
+        bucket = {"batch": spec.rows, "seq": spec.seq, "step": spec.kind, "max_len": state_len}
         if spec.kind == "step":
             step = "decode" if spec.name.endswith(".decode") else "prefill"
             out += step_programs(t, spec.name, step, spec.rows, spec.seq, state_len, n_slots,
                                  all_logits=spec.variant == "all_logits", cache=cache)
             continue
         if state is None:
-            state = step_inputs(t, n_slots, 1, state_len)[1]
+            state = t.abstract_state(n_slots, state_len)
+        if spec.kind in ("drafter", "spec.decode", "spec.prefill"):
+            if spec.kind == "spec.decode":
+                bucket["step"] = "decode"
+            out += [Program(name, fn, args, bucket)
+                    for name, fn, args in drafter_programs(drafter, spec, drafter.spec.abstract_params(), state,
+                                                           n_slots, state_len)]
+            continue
         fn, args, static = abstract_program(spec, state, t.config.vocab_size, n_slots, state_len)
-        out.append(Program(spec.name, functools.partial(fn, **static) if static else fn, args,
-                           {"batch": spec.rows, "seq": spec.seq, "step": spec.kind, "max_len": state_len}))
+        out.append(Program(spec.name, functools.partial(fn, **static) if static else fn, args, bucket))
+    return out
+
+
+def speculative_programs(t: Target, batch_sizes: Sequence[int], k: int, prefill_lens: Sequence[int],
+                         max_len: int) -> list[Program]:
+    """The speculative engine's step programs for k drafts on a pool of B slots per batch bucket B, stepped whole:
+    "b{B}.spec{k}.decode.{greedy|sampled}" and "b{B}.spec.prefill{S}.{greedy|sampled}" per chunk length S, lowered
+    as the engine runs them (speculative/inventory.drafter_programs: one program per entry in the scan mode, or its
+    parts "{name}.{part}": the regions mode's draft, region and finish programs, DSpark's draft and verify around the
+    host's Engram gather). The method is the config's: DSpark for a V4.1 config with its drafter, else MTP."""
+    method = "dspark" if t.config.dspark is not None else "mtp"
+    out = []
+    for B in batch_sizes:
+        drafter = drafter_for_spec(t, method, k)
+        entries = [ProgramSpec(f"b{B}.spec{k}.decode.{v}", "spec.decode", B, k + 1, v) for v in ("greedy", "sampled")]
+        entries += [ProgramSpec(f"b{B}.spec.prefill{S}.{v}", "spec.prefill", B, S, v)
+                    for S in prefill_lens for v in ("greedy", "sampled")]
+        out += inventory_programs(drafter.spec, entries, B, max_len, drafter=drafter)
     return out

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ...model.cache import PROGRAMS
@@ -47,7 +46,7 @@ def window_logits(model: Model, ids: np.ndarray, context: int | None = None) -> 
     position 0 (padded to `context`, default T): row t of the MTP logits is its distribution of token t+2 given
     token t+1 (the last row, without a token t+1, is meaningless)."""
     if model.plan.mtp is None:
-        raise ValueError("the model was loaded without its MTP blocks: jdeep.load(path, mtp=True)")
+        raise ValueError("the model was loaded without its MTP blocks: jdeep.load(path, drafter=True)")
     T = len(ids)
     context = T if context is None else context
     run = _program(model.config, model.plan, model.numerics, model.dtype, context)
@@ -60,9 +59,9 @@ def window_logits(model: Model, ids: np.ndarray, context: int | None = None) -> 
 
 def mtp_accuracy(model: Model, texts: Sequence[np.ndarray], context: int = 256) -> dict:
     """{"positions", "mtp_top1", "agreement", "main_top1"} over token-id arrays `texts` (module docstring); the model
-    must be loaded with its MTP blocks (jdeep.load(..., mtp=True))."""
+    must be loaded with its MTP blocks (jdeep.load(..., drafter=True))."""
     if model.plan.mtp is None:
-        raise ValueError("the model was loaded without its MTP blocks: jdeep.load(path, mtp=True)")
+        raise ValueError("the model was loaded without its MTP blocks: jdeep.load(path, drafter=True)")
     n = mtp_hits = agree = main_hits = 0
     for ids in texts:
         ids = np.asarray(ids, np.int32)

@@ -128,12 +128,12 @@ def test_model_programs_match_a_loaded_model():
 
 
 def test_export_with_speculative_programs_takes_the_live_argument_trees(tmp_path):
-    """`jdeep export --speculative-tokens 1` (the demo model's config, with its MTP block) writes the MTP prefill and
-    iteration programs beside the plain ones; the exported greedy iteration takes exactly the leaves of the live
-    iteration's arguments (the loaded model's packed params, state, MTP state, carry, sampling rows, stops)."""
+    """`jdeep export --speculative-tokens 1` (the demo model's config, with its MTP block) writes the speculative
+    engine's prefill and decode programs beside the plain ones; the exported greedy decode takes exactly the leaves
+    of the arguments the engine's MTP drafter passes it (the loaded model's packed params, state, drafter state, the
+    rows, sampling rows, the window's first slot)."""
     from jdeep.runtime.sampling import batch_params
-    from jdeep.speculative.mtp_decode import new_mtp_state
-    from jdeep.speculative.mtp_iteration import Carry
+    from jdeep.speculative.mtp_drafter import MtpDrafter
 
     demo = pathlib.Path(jdeep.__file__).parent / "demo_model"
     out = tmp_path / "export"
@@ -141,16 +141,14 @@ def test_export_with_speculative_programs_takes_the_live_argument_trees(tmp_path
                  "--prefill-len", "16", "--max-len", "64", "--dtype", "float32", "--speculative-tokens", "1"]) == 0
     manifest, exported = load_exported(str(out))
     names = [p["name"] for p in manifest["programs"]]
-    assert names == ["b1.prefill", "b1.decode", "b1.spec.prefill16.greedy", "b1.spec.prefill16.sampled",
-                     "b1.spec1.iteration.greedy", "b1.spec1.iteration.sampled"]
-    model = jdeep.load(demo, mtp=True, pack_params=True, quantize_activations=False, weights="codes")   # as exported
-    c, z = model.config, np.zeros(1, np.int32)
-    carry = Carry(z, z, np.zeros((1, c.vocab_size), np.float32), np.zeros((1, c.hc_mult, c.dim), np.float32), z,
-                  np.zeros(1, bool))
-    args = (model.params, model.init_state(1, 64), new_mtp_state(model, 1, 64), carry,
-            batch_params([jdeep.SamplingParams()], 1), np.full((1, 1), -1, np.int32), z)
+    assert names == ["b1.prefill", "b1.decode", "b1.spec1.decode.greedy", "b1.spec1.decode.sampled",
+                     "b1.spec.prefill16.greedy", "b1.spec.prefill16.sampled"]
+    model = jdeep.load(demo, drafter=True, pack_params=True, quantize_activations=False, weights="codes")  # as exported
+    z = np.zeros(1, np.int32)
+    args = (model.params, model.init_state(1, 64), MtpDrafter(model, 1).new_state(1, 64), z, z, z,
+            np.zeros(1, bool), batch_params([jdeep.SamplingParams()], 1), np.int32(0))
     leaves = jax.tree_util.tree_leaves(args)
-    avals = exported["b1.spec1.iteration.greedy"].in_avals
+    avals = exported["b1.spec1.decode.greedy"].in_avals
     assert [(a.shape, a.dtype) for a in avals] == [(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype")
                                                    else x.dtype) for x in leaves]
 
@@ -183,3 +181,38 @@ def test_check_graph_and_export_walk_the_engines_program_inventory(tmp_path, cap
     assert main(["export", *settings, "--out", str(tmp_path / "export")]) == 0
     manifest, _ = load_exported(str(tmp_path / "export"))
     assert [p["name"] for p in manifest["programs"]] == names
+
+
+@pytest.mark.parametrize("name,mode", [("mtp", "regions"), ("v41-dspark-tiny", "scan")])
+def test_check_graph_walks_the_speculative_engines_program_inventory(name, mode, tmp_path, capsys):
+    """With serve settings and --speculative-tokens, check-graph lowers, by name and in order, the programs the
+    speculative engine's warm-up runs (SpeculativeEngine.programs), from the config alone: an entry that runs several
+    programs lowers as that many, "{name}.{part}" — MTP in the regions mode (draft, each region of the verify step,
+    finish), DSpark with Engram (draft and verify around the host's gather; its decode entry holds 2 programs)."""
+    from jdeep.config.small_models import one_layer_config
+    from jdeep.speculative.engine import make_engine
+
+    if name == "mtp":
+        path = tmp_path / "m"
+        random_checkpoint(one_layer_config(num_nextn_predict_layers=1), str(path), seed=5)
+    else:
+        path = golden_path(name)
+    model = jdeep.load(path, drafter=True, compile_mode=mode)
+    method = "mtp" if name == "mtp" else "dspark"
+    eng = make_engine(model, {"method": method, "num_speculative_tokens": 2}, max_num_seqs=2, max_len=160,
+                      prefill_chunk=16, prefix_cache_bytes=1 << 20)
+    entries = eng.programs()
+    assert {"slots.reset", "drafter.reset", "drafter.snapshot.out", "b2.spec2.decode.sampled",
+            "b2.spec.prefill16.greedy"} <= {e.name for e in entries}
+    main(["check-graph", "--model", str(path), "--mode", mode, "--max-num-seqs", "2", "--max-len", "160",
+          "--prefill-chunk", "16", "--speculative-tokens", "2"])
+    lowered = [line.split()[1].rstrip(":") for line in capsys.readouterr().out.splitlines()
+               if line.startswith(("ok ", "graphcheck "))]
+    i = 0
+    for e in entries:      # each entry's programs, in order
+        parts = [n for n in lowered[i:] if n == e.name or n.startswith(e.name + ".")]
+        assert parts and lowered[i:i + len(parts)] == parts, (e.name, lowered[i:i + 3])
+        if e.kind == "spec.decode" and mode == "scan":
+            assert len(parts) == e.programs
+        i += len(parts)
+    assert i == len(lowered)

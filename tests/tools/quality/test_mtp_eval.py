@@ -70,5 +70,5 @@ def test_accuracy_equals_a_direct_count(folder):
 
 
 def test_needs_the_mtp_block(folder):
-    with pytest.raises(ValueError, match="mtp=True"):
+    with pytest.raises(ValueError, match="drafter=True"):
         mtp_accuracy(jdeep.load(folder), [np.arange(10, dtype=np.int32)])

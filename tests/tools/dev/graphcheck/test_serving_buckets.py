@@ -132,7 +132,7 @@ def test_speculative_programs_pass_at_serving_batch_sizes(mode):
     verify and prefill steps): the greedy variants pass every rule; the sampled ones every rule but those the
     threefry PRNG breaks (S10 64-bit counters, S13 its bits-to-float bitcast, S18), which Neuron leaves to the host
     sampler as plain decoding does."""
-    from jdeep.tools.dev.spec_programs import speculative_programs
+    from jdeep.tools.dev.programs import speculative_programs
 
     name = "v4-flash"
     config = preset(name)
@@ -144,10 +144,11 @@ def test_speculative_programs_pass_at_serving_batch_sizes(mode):
     if mode == "scan":
         assert len(programs) == 4
     else:
-        assert {f"b64.spec3.{part}.{v}" for part in ("draft", "finish") for v in ("greedy", "sampled")} <= names
-        assert {"b64.spec.prefill16.head", "b64.spec3.verify.head"} <= names
+        assert {f"b64.spec3.decode.{v}.{part}" for part in ("draft", "finish") for v in ("greedy", "sampled")} <= names
+        assert {"b64.spec.prefill16.greedy.head", "b64.spec.prefill16.greedy.tail",
+                "b64.spec3.decode.greedy.verify.head"} <= names
     for prog in programs:
-        prng = {"S10", "S13", "S18"} if prog.name.endswith("sampled") else set()
+        prng = {"S10", "S13", "S18"} if ".sampled" in prog.name else set()
         rules = set(RULES) - _skipped(name, mode, prog.bucket) - prng
         report = check_lowered(prog.lower(), name=prog.name, n_experts=config.n_routed_experts,
                                decode=prog.bucket["step"] == "decode", rules=rules)
@@ -162,7 +163,7 @@ def test_dspark_programs_pass_at_serving_batch_size(name):
     V4.1-Flash's known scan-mode budgets (S4, S19) and, for the sampled variants, the threefry rules. The golden's
     config (Engram, DSpark block 5) runs by default; V4.1-Flash's own (90 s of lowering) is slow."""
     from jdeep.config import ModelConfig
-    from jdeep.tools.dev.spec_programs import speculative_programs
+    from jdeep.tools.dev.programs import speculative_programs
 
     config = preset(name) if name == "v41-flash" else ModelConfig.from_file(golden_path(name) / "config.json")
     target = Target.for_config(config, ml_dtypes.bfloat16, "scan", fp8_max=240.0, packed_params=True,
@@ -171,11 +172,11 @@ def test_dspark_programs_pass_at_serving_batch_size(name):
     assert B * 4 * config.n_activated_experts > config.n_routed_experts
     programs = speculative_programs(target, (B,), 3, (16,), 1024)
     assert sorted(p.name for p in programs) == sorted(
-        f"b{B}.{part}.{v}" for part in ("dspark.prefill16", "dspark.draft", "dspark3.verify")
-        for v in ("greedy", "sampled"))
+        [f"b{B}.spec.prefill16.{v}" for v in ("greedy", "sampled")] +
+        [f"b{B}.spec3.decode.{v}.{part}" for part in ("draft", "verify") for v in ("greedy", "sampled")])
     failures = []
     for prog in programs:
-        prng = {"S10", "S13", "S18"} if prog.name.endswith("sampled") else set()
+        prng = {"S10", "S13", "S18"} if ".sampled" in prog.name else set()
         rules = set(RULES) - _skipped(name, "scan", prog.bucket) - prng
         report = check_lowered(prog.lower(), name=prog.name, n_experts=config.n_routed_experts,
                                decode=prog.bucket["step"] == "decode", rules=rules)
@@ -189,7 +190,7 @@ def test_dspark_regions_programs_pass_at_serving_batch_size():
     prefill tail, the draft, the verified chunks, the undo-log save and the finish pass every rule (the sampled
     variants every rule but the threefry ones)."""
     from jdeep.config import ModelConfig
-    from jdeep.tools.dev.spec_programs import speculative_programs
+    from jdeep.tools.dev.programs import speculative_programs
 
     name = "v41-dspark-tiny"
     config = ModelConfig.from_file(golden_path(name) / "config.json")
@@ -197,12 +198,12 @@ def test_dspark_regions_programs_pass_at_serving_batch_size():
                                platform="neuron")
     programs = speculative_programs(target, (8,), 3, (16,), 1024)
     names = {p.name for p in programs}
-    assert {f"b8.dspark{part}.{v}" for part in (".draft", "3.finish", ".prefill16.tail") for v in ("greedy", "sampled")
-            } | {"b8.dspark3.chunks", "b8.dspark3.save2", "b8.dspark.prefill16.head.taps", "b8.dspark3.verify2.head.taps"} <= names
-    assert any(n.startswith("b8.dspark3.verify2.attn.") and n.endswith(".tap") for n in names)
+    assert {f"b8.spec3.decode.{v}.{part}" for part in ("draft", "finish", "chunks", "save2", "verify2.head.taps")
+            for v in ("greedy", "sampled")} | {"b8.spec.prefill16.greedy.tail", "b8.spec.prefill16.greedy.head.taps"} <= names
+    assert any(n.startswith("b8.spec3.decode.greedy.verify2.attn.") and n.endswith(".tap") for n in names)
     failures = []
     for prog in programs:
-        prng = {"S10", "S13", "S18"} if prog.name.endswith("sampled") else set()
+        prng = {"S10", "S13", "S18"} if ".sampled" in prog.name else set()
         report = check_lowered(prog.lower(), name=prog.name, n_experts=config.n_routed_experts,
                                decode=prog.bucket["step"] == "decode", rules=set(RULES) - prng)
         failures += [] if report.ok else [report.format()]
