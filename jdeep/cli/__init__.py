@@ -12,7 +12,7 @@ from ..config.presets import PRESET_NAMES
 from ..serve.lockstep import PEER_TIMEOUT_S
 from ..tools.perf.bench import PREFILL_CHUNK
 from ..tools.dev.programs import SERVING_BATCH_SIZES, SERVING_PREFILL_LEN, SERVING_PREFILL_TOKENS
-from .args import (BARE, RUNTIME, add_graph_args, add_load_args, add_process_args, add_sampling_args,
+from .args import (BARE, RUNTIME, add_bucket_args, add_graph_args, add_load_args, add_process_args, add_sampling_args,
                    add_speculative_arg, init_distributed, parse_bytes, setup_compile_cache)
 from .chat import cmd_chat
 from .commands import cmd_bench, cmd_check_graph, cmd_convert, cmd_demo, cmd_eval, cmd_export, cmd_generate, cmd_info
@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="token positions one engine iteration may compute: every running request decodes, prompts "
                          "prefill in what is left, oldest first (default: max-num-seqs + prefill-chunk; smaller "
                          "lowers the streams' inter-token latency while long prompts prefill, at their TTFT's cost)")
+    add_bucket_args(sv)
     sv.add_argument("--seed", type=int, default=0, help="base seed of requests sent without one")
     sv.add_argument("--prefix-cache-bytes", type=lambda t: "auto" if t.strip() == "auto" else parse_bytes(t),
                     default="auto",
@@ -210,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--max-num-batched-tokens", type=int, help="token positions one iteration may compute")
     pr.add_argument("--prefix-cache-bytes", type=lambda t: "auto" if t.strip() == "auto" else parse_bytes(t),
                     default="auto", help="0: no prefix cache (default auto: on)")
+    add_bucket_args(pr)
     pr.add_argument("--speculative-tokens", type=int, metavar="K", help="the speculative engine's inventory (MTP for "
                                                                        "V4, DSpark for V4.1) with K drafts")
     i.set_defaults(fn=cmd_info)

@@ -18,6 +18,7 @@ import numpy as np
 from ..io.tokenizer import Tokenizer
 from ..platforms import cache_xla_flags
 from ..config.presets import PRESET_NAMES
+from ..runtime.buckets import parse_buckets
 from ..runtime.sampling import SamplingParams
 from ..speculative.config import parse_speculative
 
@@ -142,6 +143,7 @@ def add_graph_args(p: argparse.ArgumentParser) -> None:
     inv.add_argument("--max-num-batched-tokens", type=int, help="token positions one iteration may compute")
     inv.add_argument("--prefix-cache-bytes", type=lambda t: "auto" if t.strip() == "auto" else parse_bytes(t),
                      default="auto", help="0: no prefix cache (its snapshot programs left out; default auto: on)")
+    add_bucket_args(inv)
 
 
 def env_int(name: str) -> int | None:
@@ -247,3 +249,22 @@ def _native_stderr_without(notice: str):
             kept = [ln for ln in captured.read().decode(errors="replace").splitlines(True) if notice not in ln]
             sys.stderr.write("".join(kept))
             sys.stderr.flush()
+
+
+def _bucket_list(what: str):
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            return parse_buckets(text, what)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
+def add_bucket_args(p) -> None:
+    """--batch-buckets, --chunk-buckets: the deployment's bucket ladders (runtime/buckets.py)."""
+    p.add_argument("--batch-buckets", type=_bucket_list("--batch-buckets"), metavar="N,N,...",
+                   help="window sizes (slot rows) step programs are compiled for: powers of two up to the slots, which "
+                        "are always one (default: every power of two)")
+    p.add_argument("--chunk-buckets", type=_bucket_list("--chunk-buckets"), metavar="S,S,...",
+                   help="prefill chunk lengths step programs are compiled for: powers of two from 16 up to "
+                        "--prefill-chunk (default: powers of four from 16, and --prefill-chunk)")

@@ -315,7 +315,8 @@ def _info_programs(args: argparse.Namespace) -> int:
                           packed_params=mode == "scan" and platform == "neuron", platform=platform)
     try:
         counted = count_inventory(t, args.max_num_seqs, args.max_len or 4096, args.prefill_chunk,
-                                  args.max_num_batched_tokens, args.prefix_cache_bytes != 0, args.speculative_tokens)
+                                  args.max_num_batched_tokens, args.prefix_cache_bytes != 0, args.speculative_tokens,
+                                  args.batch_buckets, args.chunk_buckets)
     except ValueError as e:
         raise SystemExit(f"jdeep info --programs: {e}") from None
     print(format_inventory(counted))
@@ -388,13 +389,14 @@ def _deployment_programs(args: argparse.Namespace, target: Target) -> list:
     if args.speculative_tokens is None:
         specs, n_slots, state_len = plan_inventory(target.config, args.max_num_seqs, args.max_len,
                                                    args.prefill_chunk, args.max_num_batched_tokens,
-                                                   prefix_cache=prefix_cache)
+                                                   prefix_cache=prefix_cache, batch_buckets=args.batch_buckets,
+                                                   chunk_buckets=args.chunk_buckets)
         return inventory_programs(target, specs, n_slots, state_len)
     method = "dspark" if target.config.dspark is not None else "mtp"
     try:
         specs, n_slots, state_len, drafter = plan_speculative_inventory(
             target, method, args.speculative_tokens, args.max_num_seqs, args.max_len, args.prefill_chunk,
-            args.max_num_batched_tokens, prefix_cache)
+            args.max_num_batched_tokens, prefix_cache, args.batch_buckets, args.chunk_buckets)
         return inventory_programs(drafter.spec, specs, n_slots, state_len, drafter=drafter)
     except ValueError as e:
         raise SystemExit(f"jdeep: --speculative-tokens {args.speculative_tokens}: {e}") from None

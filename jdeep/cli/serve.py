@@ -56,6 +56,7 @@ def engine_settings(engine: Engine, args: argparse.Namespace) -> dict:
     config = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
     return {"jdeep": __version__, "config": config, "engine": type(engine).__name__, "slots": engine.n_slots,
             "max_len": engine.max_len, "prefill_chunk": engine.chunk,
+            "batch_buckets": list(engine.scheduler.batch_buckets), "chunk_buckets": list(engine.scheduler.chunk_buckets),
             "max_num_batched_tokens": engine.max_num_batched_tokens, "seed": engine.seed, "eos": engine.eos,
             "mesh": model.layout.describe() if model.layout is not None else None, "dtype": str(model.dtype),
             "compile_mode": model.compile_mode, "warmup": bool(args.warmup),
@@ -88,17 +89,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 1
 
 
+def _compile_progress():
+    """A warm-up progress line on a terminal: programs compiled of all, and the time left at this pace."""
+    def show(done: int, total: int, secs: float) -> None:
+        left = secs / done * (total - done)
+        end = "\n" if done == total else ""
+        print(f"\rjdeep serve: compiling programs {done}/{total}, about {left:.0f} s left ", end=end, file=sys.stderr,
+              flush=True)
+    return show
+
+
 def _serve(args: argparse.Namespace, lockstep: Lockstep | None) -> int:
     model = load(args.model, **load_kwargs(args, progress=True, mtp=args.speculative_config is not None))
     tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else model.tokenizer
     engine = make_engine(model, args.speculative_config, max_num_seqs=args.max_num_seqs, max_len=args.max_len,
                          prefill_chunk=args.prefill_chunk, seed=args.seed, tokenizer=tokenizer,
-                         max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache_bytes=args.prefix_cache_bytes)
+                         max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache_bytes=args.prefix_cache_bytes,
+                         batch_buckets=args.batch_buckets, chunk_buckets=args.chunk_buckets)
     if lockstep is not None:
         lockstep.handshake(engine_settings(engine, args))
     if args.warmup:
         t0 = time.perf_counter()
-        n = engine.warmup()
+        n = engine.warmup(progress=_compile_progress() if sys.stderr.isatty() else None)
         print(f"jdeep serve: compiled {n} programs (every batch and prefill bucket) in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
     if lockstep is not None and not lockstep.leader:

@@ -78,11 +78,12 @@ class HostEmbedStep:
 
     def embeds(self, tokens) -> jax.Array:
         ids = np.clip(np.asarray(tokens), 0, self.table.shape[0] - 1)
-        return jnp.asarray(self.table[ids])
+        return jax.device_put(self.table[ids], jax.devices()[0])
 
-    def __call__(self, params, state, tokens, positions, engram=None, embeds=None, **window):
+    def __call__(self, params, state, tokens, positions, engram=None, embeds=None, start=None):
         embeds = self.embeds(tokens) if embeds is None else embeds
-        return self.step(params, state, tokens, positions, engram, embeds, **window)
+        window = () if start is None else (start,)
+        return self.step(params, state, tokens, positions, engram, embeds, *window)
 
 
 @dataclass
@@ -146,9 +147,10 @@ class Model:
         return jax.device_put(tree, jax.devices()[0])
 
     def put(self, x: Any) -> jax.Array:
-        """A host array as a step input: on the default device, or replicated over the mesh (every process of a
-        multi-process run passes the same value)."""
-        return jnp.asarray(x) if self.layout is None else self.layout.put(x)
+        """A host array as a step input: committed to the model's device (as the programs' other inputs are, so a
+        program compiled ahead of time for them is the one a call finds: runtime/lowering.placed), or replicated
+        over the mesh (every process of a multi-process run passes the same value)."""
+        return jax.device_put(x, jax.devices()[0]) if self.layout is None else self.layout.put(x)
 
     def fetch(self, x: jax.Array) -> np.ndarray:
         """A device array on the host, also when it spans the devices of several processes."""

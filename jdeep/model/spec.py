@@ -24,6 +24,7 @@ from ..config import ModelConfig
 from ..numerics import Numerics
 from ..param_spec import abstract_params
 from ..plan import LayerPlan, build_plan
+from ..platforms import platform_for
 from ..state import init_state
 
 __all__ = ["ModelSpec"]
@@ -51,7 +52,10 @@ class ModelSpec:
                    quantize_activations: bool | None = None, fp8_max: float | None = None, packed_kv: bool = False,
                    packed_params: bool = False, platform: str | None = None) -> "ModelSpec":
         """From a config alone (no weights): the layer plan and numerics jdeep.load would build for it on
-        `platform` (default: JAX's backend; "neuron" where the programs are checked or exported for Neuron)."""
+        `platform` (default: JAX's backend; "neuron" where the programs are checked or exported for Neuron);
+        fp8_max None: the platform's."""
+        if fp8_max is None:
+            fp8_max = platform_for(platform or jax.default_backend()).fp8_max
         numerics = Numerics.for_config(config, quantize_activations, fp8_max, packed_kv, platform)
         return cls(config, build_plan(config), numerics, dtype, compile_mode, host_embedding, packed_params)
 

@@ -49,7 +49,7 @@ from .request_table import RequestTable
 from .requests import Request, RequestOutput, check_request
 from .runner import Runner
 from .sampling import SEED_MAX, SamplingParams
-from .scheduler import Iteration, Scheduler
+from .scheduler import Iteration, serving_scheduler
 from .slot_pool import SlotPool
 from .slot_sampling import refuse_unsupported
 from .slots import IterationStats, default_batched_tokens
@@ -66,14 +66,17 @@ class Engine:
 
     def __init__(self, model: Model, max_num_seqs: int = 8, max_len: int = 2048, prefill_chunk: int = 256,
                  seed: int = 0, ignore_eos: bool = False, tokenizer=None, max_num_batched_tokens: int | None = None,
-                 decode_width: int = 1, prefix_cache_bytes: int | str = 0):
+                 decode_width: int = 1, prefix_cache_bytes: int | str = 0,
+                 batch_buckets: Sequence[int] | None = None, chunk_buckets: Sequence[int] | None = None):
         """prefill_chunk: the longest prefill chunk (rounded down to a power of two). max_num_batched_tokens: token
         positions one iteration may compute, decode rows first (default_batched_tokens: a full decode window plus
         one longest chunk). tokenizer: for text prompts, stop strings and RequestOutput.text (default:
         model.tokenizer). decode_width: positions a decoding request computes per iteration (speculative engines:
         the state then holds decode_width positions past max_len). prefix_cache_bytes: device bytes of decode-state
         snapshots kept for prompts that share a prefix (0: off; "auto", `jdeep serve`'s default: a quarter of the
-        decode state's bytes, prefix_snapshot.auto_budget; prefix_cache.py; not on a device mesh)."""
+        decode state's bytes, prefix_snapshot.auto_budget; prefix_cache.py; not on a device mesh). batch_buckets /
+        chunk_buckets: the window sizes and prefill chunk lengths programs are compiled for (buckets.py; default:
+        every power of two up to the slots, and powers of four from 16 plus prefill_chunk)."""
         if max_num_seqs < 1 or max_len < 2 or prefill_chunk < 1:
             raise ValueError(f"max_num_seqs, max_len and prefill_chunk must be positive, got {max_num_seqs}, "
                              f"{max_len}, {prefill_chunk}")
@@ -87,8 +90,8 @@ class Engine:
         self.pool = self.make_pool(state_length(max_len, decode_width), prefix_cache_bytes)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = default_batched_tokens(self.n_slots * decode_width, prefill_chunk)
-        self.scheduler = Scheduler(self.n_slots, max_num_batched_tokens, prefill_chunk, self.pool.window_mode,
-                                   decode_width)
+        self.scheduler = serving_scheduler(self.n_slots, max_num_batched_tokens, prefill_chunk,
+                                           self.pool.window_mode, decode_width, batch_buckets, chunk_buckets)
         self.chunk = self.scheduler.max_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos = None if ignore_eos else model.config.eos_token_id
@@ -237,13 +240,15 @@ class Engine:
 
     def programs(self, prompt_logprobs: bool = True) -> list[ProgramSpec]:
         """Every program this engine runs for its settings, as data (Runner.programs, inventory.py): what warmup
-        compiles. prompt_logprobs=False leaves out the programs only prompt logprobs need."""
+        compiles, and the rare variants compiled on first use (ProgramSpec.first_use: the programs only prompt
+        logprobs need; prompt_logprobs=False leaves them out)."""
         return self.runner.programs(self.max_len, prompt_logprobs)
 
-    def warmup(self, prompt_logprobs: bool = True) -> int:
-        """Compile every program of `programs` before the first request (Runner.warmup); returns how many ran.
-        prompt_logprobs=False leaves out the programs that only prompt logprobs need."""
-        return self.runner.warmup(self.max_len, prompt_logprobs)
+    def warmup(self, first_use: bool = False, workers: int | None = None, progress=None) -> int:
+        """Compile every program of `programs` before the first request, side by side on `workers` threads (default:
+        the CPU count), then run each once (Runner.warmup); with first_use also those otherwise compiled on first
+        use; returns how many ran. progress(done, total, seconds): called as the compiles finish."""
+        return self.runner.warmup(self.max_len, first_use, workers, progress)
 
     def run(self, on_finish: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:
         """Step until every queued request has finished; returns all outputs by request id."""

@@ -8,8 +8,8 @@ sampled), and how many compiled programs running it takes (`programs`: one, exce
 such as a drafter's draft and verify).
 
 Names: "b{rows}.decode", "b{rows}.prefill{S}" (the step programs, as tools/dev/programs.model_programs names them),
-"b{rows}.prefill{S}.all_logits" and "b{rows}.prompt_logprobs{S}" (prompt logprobs), "b{rows}.sample[.logprobs]
-[.penalties]", "b{rows}.penalties.{window,count}", "penalties.{reset,move}", "slots.{reset,move}",
+"b{rows}.prefill{S}.all_logits" and "b{rows}.prompt_logprobs{S}" (prompt logprobs: compiled when a request first
+asks, `first_use`), "b{rows}.sample" (slot_sampling.sample_window), "penalties.{reset,move}", "slots.{reset,move}",
 "snapshot{L}.{out,in}" (the prefix cache's copy-out / copy-in of an L-token prefix bucket), and a speculative
 runner's "b{rows}.spec{k}.decode.{greedy,sampled}" and "b{rows}.spec.prefill{S}.{greedy,sampled}".
 """
@@ -25,10 +25,10 @@ import jax.numpy as jnp
 from ..model.cache import PROGRAMS
 from ..state import move_slot, reset_slots, restore_slot, snapshot_slot
 from .prefix_snapshot import prefix_block, snapshot_sizes
-from .sampling import PenaltyState, abstract_batch, sample, sample_logprobs
-from .scheduler import Scheduler
+from .sampling import PenaltyState, abstract_batch
+from .scheduler import Scheduler, serving_scheduler
 from .slot_pool import window_mode_for
-from .slot_sampling import _count, _move, _prompt_outputs, _reset_row, _window
+from .slot_sampling import _move, _prompt_outputs, _reset_row, sample_window
 from .slots import default_batched_tokens
 from .steps import batch_bucket, state_length
 
@@ -63,24 +63,20 @@ def slot_programs(sched: Scheduler, n_slots: int, snapshot_sizes: Sequence[int])
 def serving_programs(sched: Scheduler, n_slots: int, snapshot_sizes: Sequence[int] = (),
                      prompt_logprobs: bool = True) -> list[ProgramSpec]:
     """The plain Engine's inventory, in warm-up order: the slot programs, a decode step per window size and a
-    prefill step per (window size, chunk bucket) the scheduler can choose, the sampler in its four variants and the
-    penalty pool's programs per window size, and with prompt_logprobs each prefill step's all-positions variant and
-    its prompt-logprob program."""
+    prefill step per (window size, chunk bucket) the scheduler can choose, the sampler per window size and the
+    penalty pool's reset and move, and with prompt_logprobs each prefill step's all-positions variant and its
+    prompt-logprob program (compiled on first use)."""
     decode, prefill = sched.decode_programs(), sched.prefill_programs()
     out = slot_programs(sched, n_slots, snapshot_sizes)
     out += [ProgramSpec(f"b{n}.decode", "step", n, 1) for n in decode]
     out += [ProgramSpec(f"b{n}.prefill{S}", "step", n, S) for n, S in prefill]
+    out += [ProgramSpec(f"b{n}.sample", "sampler", n) for n in decode]
     out.append(ProgramSpec("penalties.reset", "penalties"))
-    for n in decode:
-        out.append(ProgramSpec(f"b{n}.penalties.window", "penalties", n))
-        for variant in ("", ".logprobs", ".penalties", ".logprobs.penalties"):
-            out.append(ProgramSpec(f"b{n}.sample{variant}", "sampler", n, variant=variant.lstrip(".")))
-        out.append(ProgramSpec(f"b{n}.penalties.count", "penalties", n))
     if sched.window_mode != "pool" and n_slots > 1:
         out.append(ProgramSpec("penalties.move", "penalties"))
     for n, S in prefill if prompt_logprobs else ():
-        out += [ProgramSpec(f"b{n}.prefill{S}.all_logits", "step", n, S, "all_logits"),
-                ProgramSpec(f"b{n}.prompt_logprobs{S}", "prompt_logprobs", n, S)]
+        out += [ProgramSpec(f"b{n}.prefill{S}.all_logits", "step", n, S, "all_logits", first_use=True),
+                ProgramSpec(f"b{n}.prompt_logprobs{S}", "prompt_logprobs", n, S, first_use=True)]
     return out
 
 
@@ -91,13 +87,15 @@ def total_programs(specs: Sequence[ProgramSpec]) -> int:
 
 def plan_inventory(config, max_num_seqs: int, max_len: int, prefill_chunk: int = 256,
                    max_num_batched_tokens: int | None = None, prompt_logprobs: bool = True,
-                   prefix_cache: bool = True) -> tuple[list[ProgramSpec], int, int]:
+                   prefix_cache: bool = True, batch_buckets: Sequence[int] | None = None,
+                   chunk_buckets: Sequence[int] | None = None) -> tuple[list[ProgramSpec], int, int]:
     """The plain Engine's inventory for these serving settings (Engine's arguments of the same names; prefix_cache:
     whether it keeps a prefix cache), from the config alone (no weights, no device state): what
     `Engine(model, ...).programs()` returns on one device. Returns (specs, n_slots, the state's length)."""
     n_slots = batch_bucket(max_num_seqs)
     budget = max_num_batched_tokens or default_batched_tokens(n_slots, prefill_chunk)
-    sched = Scheduler(n_slots, budget, prefill_chunk, window_mode_for(config.engram is not None, mesh=False))
+    sched = serving_scheduler(n_slots, budget, prefill_chunk, window_mode_for(config.engram is not None, mesh=False),
+                              1, batch_buckets, chunk_buckets)
     sizes = snapshot_sizes(prefix_block(config) if prefix_cache else None, max_len)
     return serving_programs(sched, n_slots, sizes, prompt_logprobs), n_slots, state_length(max_len)
 
@@ -128,15 +126,9 @@ def abstract_program(spec: ProgramSpec, state: Any, vocab: int, n_slots: int, st
         return PROGRAMS.jit(_reset_row, donate_argnums=(0,)), (pen, i32, a((vocab,), jnp.bool_)), {}
     if spec.name == "penalties.move":
         return PROGRAMS.jit(_move, donate_argnums=(0,)), (pen, i32, i32), {}
-    if spec.name.endswith(".penalties.window"):
-        return PROGRAMS.jit(_window, static_argnames=("rows",)), (pen, i32), {"rows": n}
-    if spec.name.endswith(".penalties.count"):
-        return PROGRAMS.jit(_count, donate_argnums=(0,)), (pen, i32, a((n,), jnp.int32), a((n,), jnp.bool_)), {}
     if spec.kind == "sampler":
-        window = PenaltyState(a((n, vocab), jnp.int32), a((n, vocab), jnp.bool_))
-        fn = PROGRAMS.jit(sample_logprobs if "logprobs" in spec.variant else sample)
-        return fn, (a((n, vocab), jnp.float32), abstract_batch(n), a((n,), jnp.int32),
-                    window if "penalties" in spec.variant else None), {}
+        return PROGRAMS.jit(sample_window, donate_argnums=(0,)), (pen, a((n, vocab), jnp.float32), abstract_batch(n),
+                                                                 a((n,), jnp.int32), i32, a((n,), jnp.bool_)), {}
     if spec.kind == "prompt_logprobs":
         ids = a((n, spec.seq), jnp.int32)
         return PROGRAMS.jit(_prompt_outputs), (a((n, spec.seq, vocab), jnp.float32), ids, ids), {}

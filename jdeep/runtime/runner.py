@@ -12,15 +12,19 @@ and warmup with its drafter's programs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from ..model.model import Model
 from .inventory import ProgramSpec, serving_programs
+from .lowering import Program, abstract_tree, inventory_programs, placed
 from .prefix_snapshot import snapshot_prefills, snapshot_sizes
 from .scheduler import Iteration, Scheduler, Window
 from .slot_pool import SlotPool
-from .slot_sampling import chunk_prompt_logprobs, logprob_entries, sampler
+from .slot_sampling import chunk_prompt_logprobs, logprob_entries
 from .slots import guarded
 from .steps import run_step
 from .warmup import WarmContext, warm_plain, warm_programs
@@ -29,6 +33,8 @@ __all__ = ["Runner", "Tokens"]
 
 Tokens = tuple[dict[int, list[int]], dict[int, list]]   # (slot -> new tokens, slot -> their logprob entries)
 
+SAMPLER_KINDS = ("sampler", "penalties")   # programs that run on the sampler's device (Model.to_sampler)
+
 
 class Runner:
     """Runner(model, pool, scheduler). steps_per_bucket counts the step programs run at each window size (rows)."""
@@ -36,6 +42,7 @@ class Runner:
     def __init__(self, model: Model, pool: SlotPool, scheduler: Scheduler):
         self.model, self.pool, self.scheduler = model, pool, scheduler
         self.steps_per_bucket: dict[int, int] = {}
+        self.precompiled = None      # warmup.Precompiled of the last warm-up
 
     def count_step(self, rows: int) -> None:
         self.steps_per_bucket[rows] = self.steps_per_bucket.get(rows, 0) + 1
@@ -53,19 +60,16 @@ class Runner:
 
     def sample(self, logits: jax.Array, window: Window, rows: list[int]) -> Tokens:
         """The next token of each slot in `rows` from the window's logits [window.rows, V], with logprob entries for
-        the requests that asked (penalised requests' counts advance on the device)."""
+        the requests that asked (one sampler program per window size: slot_sampling.sample_window; the rows' token
+        counts advance on the device)."""
         pool, lo = self.pool, window.start
         slots = pool.slots
         counts = np.array([len(s.out.tokens) if s is not None else 0 for s in slots[lo:lo + window.rows]], np.int32)
         want = [i for i in rows if slots[i].params.logprobs is not None]
-        penalised = [i for i in rows if slots[i].params.penalized]
-        pen = pool.penalties.window(lo, window.rows) if penalised else None
-        out = sampler(bool(want))(*self.model.to_sampler((logits, pool.window_rows(window), counts)), pen)
-        tokens = out[0] if want else out
-        if penalised:
-            live = np.zeros(window.rows, bool)
-            live[[i - lo for i in penalised]] = True
-            pool.penalties.count(lo, tokens, live)
+        live = np.zeros(window.rows, bool)
+        live[[i - lo for i in rows]] = True
+        out = pool.penalties.sample(logits, pool.window_rows(window), counts, lo, live)
+        tokens = out[0]
         nxt = self.model.fetch(tokens)
         entries = {}
         if want:    # (one request's failure is raised again on delivery, where that request alone fails)
@@ -109,7 +113,7 @@ class Runner:
     def programs(self, max_len: int, prompt_logprobs: bool = True) -> list[ProgramSpec]:
         """Every program this runner and its pool run for prompts up to max_len tokens, in warm-up order
         (inventory.serving_programs); prompt_logprobs=False leaves out the all-positions prefill steps and the
-        prompt-logprob programs only prompt logprobs need."""
+        prompt-logprob programs only prompt logprobs need (listed with first_use: compiled when first asked)."""
         return serving_programs(self.scheduler, self.pool.n_slots, snapshot_sizes(self.pool.snapshot_block, max_len),
                                 prompt_logprobs)
 
@@ -117,6 +121,23 @@ class Runner:
         """Run one entry of `programs` on idle rows (warmup.py)."""
         warm_plain(self, spec, ctx)
 
-    def warmup(self, max_len: int, prompt_logprobs: bool = True) -> int:
-        """Run every entry of `programs` once; returns the number of compiled programs they hold."""
-        return warm_programs(self, self.programs(max_len, prompt_logprobs))
+    def lowered(self, specs: list[ProgramSpec], drafter_programs=None) -> list[Program]:
+        """The programs the entries `specs` run, with the live parameters', state's and inputs' shapes and placement
+        (lowering.inventory_programs): what warmup.precompile compiles. Empty on a device mesh."""
+        model, pool = self.model, self.pool
+        if model.layout is not None:
+            return []
+        programs = inventory_programs(model.spec, specs, pool.n_slots, pool.cache_len,
+                                      drafter_programs=drafter_programs, params=abstract_tree(model.params),
+                                      state=abstract_tree(pool.state))
+        device = SingleDeviceSharding(jax.devices()[0])
+        sampler = SingleDeviceSharding(model.sampler_device) if model.sampler_device is not None else device
+        return [dataclasses.replace(p, args=placed(p.args, sampler if p.bucket["step"] in SAMPLER_KINDS else device))
+                for p in programs]
+
+    def warmup(self, max_len: int, first_use: bool = False, workers: int | None = None, progress=None) -> int:
+        """Compile, then run, every entry of `programs` once (warmup.warm_programs; with first_use also those
+        otherwise compiled on first use); returns the number of compiled programs they hold. workers, progress: the
+        compile's threads and progress callback (warmup.precompile)."""
+        return warm_programs(self, [s for s in self.programs(max_len) if first_use or not s.first_use], workers,
+                             progress)

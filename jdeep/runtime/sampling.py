@@ -210,13 +210,13 @@ def batch_params(params: Sequence[SamplingParams], batch: int | None = None, def
             min_stops[b, :len(ids)] = ids
 
     def f32(name):
-        return jnp.asarray([getattr(p, name) for p in ps], jnp.float32)
+        return np.asarray([getattr(p, name) for p in ps], np.float32)
 
-    return SamplingBatch(f32("temperature"), jnp.asarray(top_k, jnp.int32), f32("top_p"), f32("min_p"),
-                         jnp.asarray(keys), f32("presence_penalty"), f32("frequency_penalty"),
-                         f32("repetition_penalty"),
-                         jnp.asarray(bias_ids), jnp.asarray(bias), jnp.asarray([p.min_tokens for p in ps], jnp.int32),
-                         jnp.asarray(min_stops))
+    # built in numpy, then moved as they are (a dtype conversion on the device would be a program of its own)
+    rows = (f32("temperature"), np.asarray(top_k, np.int32), f32("top_p"), f32("min_p"), keys,
+            f32("presence_penalty"), f32("frequency_penalty"), f32("repetition_penalty"), bias_ids, bias,
+            np.asarray([p.min_tokens for p in ps], np.int32), min_stops)
+    return SamplingBatch(*(jnp.asarray(a) for a in rows))
 
 
 def host_batch(params: Sequence[SamplingParams], stop_ids: Sequence[Sequence[int]] | None = None) -> SamplingBatch:

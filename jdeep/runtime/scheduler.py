@@ -4,11 +4,12 @@ do), so a long prompt never freezes the running streams.
 
 An iteration is at most two programs over windows of the pool's sequence slots: the decode step ([rows, 1]) over the
 window holding every decoding slot, and one prefill step ([rows, S]) over the window holding the slots prefilled
-this iteration. A window is `rows` slots from `start`, rows a power of two and start a multiple of it (an aligned
-block), so the compiled set is one decode program per rows bucket and one prefill program per (rows, chunk bucket)
-with rows x chunk within the budget: finite and known at warm-up. The budget counts what the programs compute: the
-decode window's rows plus the prefill window's rows x chunk length (padding included). Whatever the budget, the
-oldest prompt takes at least one minimum chunk (16 tokens) each iteration: no request starves.
+this iteration. A window is `rows` slots from `start`, rows a batch bucket and start a multiple of it (an aligned
+block), and S a chunk bucket (buckets.py: the deployment's declared ladders), so the compiled set is one decode
+program per batch bucket and one prefill program per (batch bucket, chunk bucket) with rows x chunk within the
+budget: finite and known at warm-up. The budget counts what the programs compute: the decode window's rows plus the
+prefill window's rows x chunk length (padding included). Whatever the budget, the oldest prompt takes at least the
+smallest chunk bucket each iteration: no request starves.
 
 `Scheduler.schedule` is pure bookkeeping over the slots (no model, no device), tested on its own.
 """
@@ -18,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .steps import MIN_BUCKET, length_bucket
+from .buckets import batch_ladder, chunk_ladder, default_chunk_buckets
+from .steps import MIN_BUCKET
 
-__all__ = ["Window", "Iteration", "Scheduler", "covering_window", "floor_pow2"]
+__all__ = ["Window", "Iteration", "Scheduler", "serving_scheduler", "covering_window", "floor_pow2"]
 
 
 @dataclass(frozen=True)
@@ -85,10 +87,13 @@ def covering_window(slots: Sequence[int], n_slots: int, mode: str = "aligned") -
 class Scheduler:
     """Plans iterations for a pool of `n_slots` slots (a power of two) under a budget of `max_batched_tokens` token
     positions per iteration, with prefill chunks of at most `max_chunk` tokens (rounded down to a power of two).
-    decode_width: positions one decoding request computes per iteration (k + 1 with k speculative tokens)."""
+    decode_width: positions one decoding request computes per iteration (k + 1 with k speculative tokens).
+    batch_buckets / chunk_buckets: the window sizes and chunk lengths programs exist for (buckets.py; None: every
+    power of two)."""
 
     def __init__(self, n_slots: int, max_batched_tokens: int, max_chunk: int, window_mode: str = "aligned",
-                 decode_width: int = 1):
+                 decode_width: int = 1, batch_buckets: Sequence[int] | None = None,
+                 chunk_buckets: Sequence[int] | None = None):
         if n_slots < 1 or n_slots & (n_slots - 1):
             raise ValueError(f"n_slots must be a power of two, got {n_slots}")
         if max_chunk < 1:
@@ -100,10 +105,21 @@ class Scheduler:
             raise ValueError(f"unknown window mode {window_mode!r}")
         self.n_slots, self.budget, self.window_mode = n_slots, max_batched_tokens, window_mode
         self.decode_width = decode_width
-        self.max_chunk = max(MIN_BUCKET, floor_pow2(max_chunk))
+        self.batch_buckets = batch_ladder(n_slots, batch_buckets)
+        self.chunk_buckets = chunk_ladder(max(MIN_BUCKET, floor_pow2(max_chunk)), chunk_buckets)
+        self.max_chunk = self.chunk_buckets[-1]
 
     def window(self, slots: Sequence[int]) -> Window:
-        return covering_window(slots, self.n_slots, self.window_mode)
+        """The smallest window of a batch bucket's rows holding `slots`."""
+        w = covering_window(slots, self.n_slots, self.window_mode)
+        rows = next(b for b in self.batch_buckets if b >= w.rows)
+        return Window(w.start // rows * rows, rows)
+
+    def chunk(self, need: int, cap: int) -> int:
+        """The chunk bucket for `need` tokens under a cap of `cap`: the smallest holding them within the cap, else the
+        largest within it, else the smallest."""
+        fits = [S for S in self.chunk_buckets if S <= cap]
+        return next((S for S in fits if S >= need), fits[-1] if fits else self.chunk_buckets[0])
 
     def schedule(self, remaining: Sequence[int | None], order: Sequence[int] | None = None) -> Iteration:
         """remaining[i]: prompt tokens slot i still has to prefill (0: it decodes; None: the slot is free).
@@ -119,7 +135,7 @@ class Scheduler:
         first = waiting[0]
         window = self.window([first])
         cap = min(self.max_chunk, max(MIN_BUCKET, floor_pow2(max(1, left // window.rows))))
-        it.chunk = length_bucket(min(remaining[first], cap))
+        it.chunk = self.chunk(min(remaining[first], cap), cap)
         it.prefill = {first: min(remaining[first], it.chunk)}
         for i in waiting[1:]:           # younger prompts share the oldest one's chunk length where the budget allows
             wider = self.window(list(it.prefill) + [i])
@@ -131,15 +147,21 @@ class Scheduler:
 
     def prefill_programs(self) -> list[tuple[int, int]]:
         """Every (rows, chunk) prefill program `schedule` can choose, for warm-up."""
-        out = []
-        for n in self.decode_programs():
-            S = MIN_BUCKET
-            while S <= self.max_chunk:
-                if n * S <= max(self.budget, n * MIN_BUCKET):
-                    out.append((n, S))
-                S *= 2
-        return out
+        smallest = self.chunk_buckets[0]
+        return [(n, S) for n in self.decode_programs() for S in self.chunk_buckets
+                if n * S <= max(self.budget, n * smallest)]
 
     def decode_programs(self) -> list[int]:
         """Every window size `schedule` can choose (decode and prefill), for warm-up."""
-        return [self.n_slots] if self.window_mode == "pool" else [1 << k for k in range(self.n_slots.bit_length())]
+        return [self.n_slots] if self.window_mode == "pool" else list(self.batch_buckets)
+
+
+def serving_scheduler(n_slots: int, max_batched_tokens: int, prefill_chunk: int, window_mode: str = "aligned",
+                      decode_width: int = 1, batch_buckets: Sequence[int] | None = None,
+                      chunk_buckets: Sequence[int] | None = None) -> Scheduler:
+    """A deployment's Scheduler: its declared ladders, else the serving defaults (buckets.py: every power of two for
+    the batch, buckets.default_chunk_buckets for the chunks)."""
+    if chunk_buckets is None:
+        chunk_buckets = default_chunk_buckets(max(MIN_BUCKET, floor_pow2(max(1, prefill_chunk))))
+    return Scheduler(n_slots, max_batched_tokens, prefill_chunk, window_mode, decode_width, batch_buckets,
+                     chunk_buckets)

@@ -73,7 +73,7 @@ class SlotPool:
         """Allocate a fresh decode state and Engram history (after a failed step: donated state may be gone)."""
         self.state = self.model.init_state(self.n_slots, self.cache_len)
         self.history = self.model.new_history(self.n_slots)
-        self.penalties.state = None
+        self.penalties.state = self.penalties.fresh()
 
     def block_until_ready(self) -> None:
         """Wait for every program writing the pool's device state."""
@@ -166,7 +166,7 @@ class SlotPool:
         prompts = [self.slots[i].request.ids[:self.slots[i].prefilled + it.prefill[i]] if i in it.prefill else None
                    for i in range(w.start, w.start + w.rows)]
         done = [self.slots[i].prefilled if i in it.prefill else 0 for i in range(w.start, w.start + w.rows)]
-        toks, pos, taken = pack_chunk(prompts, done, w.rows, it.chunk)
+        toks, pos, taken = pack_chunk(prompts, done, w.rows, it.chunk, width=it.chunk)
         assert toks.shape[1] == it.chunk and all(taken[i - w.start] == n for i, n in it.prefill.items())
         for i, n in it.prefill.items():
             self.slots[i].prefilled += n

@@ -1,17 +1,18 @@
-"""What the Engine keeps on the device per slot for penalised requests, and the sampler programs it runs.
+"""What the Engine keeps on the device per slot for penalised requests, and the sampler program it runs.
 
 Penalties need each request's token counts: `SlotPenalties` holds a PenaltyState over the engine's whole slot pool
-(counts int32 [n_slots, V], seen bool [n_slots, V]), allocated when the first penalised request arrives (servers
-that never see one never pay for it). A penalised request's rows are reset when it takes a slot (its prompt's
-tokens marked seen), advanced by one count per token it is given, copied along when its slot moves; rows of
-other requests are never read through a non-zero penalty (their presence / frequency are 0 and repetition 1, which
-leave a logit unchanged exactly).
+(counts int32 [n_slots, V], seen bool [n_slots, V]; n_slots x V x 5 bytes, allocated with the pool). A penalised
+request's row is reset when it takes a slot (its prompt's tokens marked seen); every row advances by one count per
+token it is given and is copied along when its slot moves. Rows of requests without penalties are read through
+neutral values (presence / frequency 0, repetition 1), which leave a logit unchanged exactly, so one program serves
+every request.
 
-Programs: the sampler, `sample` or `sample_logprobs` (sampling.py) with or without a PenaltyState window, per window
-size; the pool's window and count programs per window size, its reset and move programs (one each: a prompt's seen
-mask is built on the host); and for prompt logprobs, per prefill program (rows, S), the step's all-positions variant
-and one program taking each row's last logits and every position's logprobs from it. The engine's inventory lists
-them all (inventory.serving_programs) and warm-up compiles them (warmup.py).
+Programs: the sampler (`sample_window`: the window's penalty rows, the draw, the drawn tokens' logprobs and the counts'
+advance in one program, logit_bias, penalties and logprobs switched by each row's values), one per window size; the
+pool's reset and move programs (one each: a prompt's seen mask is built on the host); and for prompt logprobs, per
+prefill program (rows, S), the step's all-positions variant and one program taking each row's last logits and every
+position's logprobs from it (compiled when a request first asks). The engine's inventory lists them all
+(inventory.serving_programs) and warm-up compiles them (warmup.py).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from .requests import RequestError
-from .sampling import PenaltyState, sample, sample_logprobs, token_logprobs
+from .sampling import PenaltyState, SamplingBatch, sample, token_logprobs
 
-__all__ = ["SlotPenalties", "sampler", "logprob_entries", "chunk_prompt_logprobs",
+__all__ = ["SlotPenalties", "sample_window", "logprob_entries", "chunk_prompt_logprobs",
            "refuse_unsupported", "SPECULATIVE_UNSUPPORTED"]
 
 # what speculative decoding's verify programs do not apply yet: they take these only "off" (docs/speculative.md's
@@ -73,41 +74,44 @@ def _move(pen: PenaltyState, src, dst) -> PenaltyState:
     return PenaltyState(*(a.at[dst].set(a[src]) for a in pen))
 
 
+def sample_window(pen: PenaltyState, logits, sb: SamplingBatch, step, start, live):
+    """Sample the window of rows start .. start + rows: logits f32 [rows, V], sb its sampling rows, step int32 [rows]
+    (tokens each row has generated), live bool [rows] (rows given a token: their counts advance). Returns (pen,
+    tokens int32 [rows], logprob f32 [rows], top ids int32 [rows, W], top f32 [rows, W]); pen donated."""
+    tokens = sample(logits, sb, step, _window(pen, start, rows=logits.shape[0]))
+    return (_count(pen, start, tokens, live), tokens, *token_logprobs(logits, tokens))
+
+
 class SlotPenalties:
-    """The pool's PenaltyState on the device (None until a penalised request arrives)."""
+    """The pool's PenaltyState on the sampler's device (`put`: Model.to_sampler; the pool allocates it: `fresh`)."""
 
     def __init__(self, n_slots: int, vocab: int, put):
         self.n_slots, self.vocab, self.put = n_slots, vocab, put
         self.state: PenaltyState | None = None
 
+    def fresh(self) -> PenaltyState:
+        """A PenaltyState of no counts and nothing seen."""
+        return PenaltyState(self.put(np.zeros((self.n_slots, self.vocab), np.int32)),
+                            self.put(np.zeros((self.n_slots, self.vocab), bool)))
+
     def admit(self, slot: int, prompt: np.ndarray) -> None:
-        """A penalised request took `slot`: reset its row (allocating the pool's state on first use). One program
-        whatever the prompt's length: its seen mask is built here."""
-        if self.state is None:
-            self.state = PenaltyState(self.put(np.zeros((self.n_slots, self.vocab), np.int32)),
-                                      self.put(np.zeros((self.n_slots, self.vocab), bool)))
+        """A penalised request took `slot`: reset its row. One program whatever the prompt's length: its seen mask is
+        built here."""
         seen = np.zeros(self.vocab, bool)
         seen[np.asarray(prompt, np.int64)] = True
         self.state = PROGRAMS.jit(_reset_row, donate_argnums=(0,))(self.state, self.put(np.int32(slot)),
                                                                     self.put(seen))
 
-    def window(self, start: int, rows: int) -> PenaltyState:
-        return PROGRAMS.jit(_window, static_argnames=("rows",))(self.state, self.put(np.int32(start)), rows=rows)
-
-    def count(self, start: int, tokens, live: np.ndarray) -> None:
-        self.state = PROGRAMS.jit(_count, donate_argnums=(0,))(self.state, self.put(np.int32(start)), tokens,
-                                                                self.put(live))
+    def sample(self, logits, sb: SamplingBatch, step: np.ndarray, start: int, live: np.ndarray):
+        """sample_window over the pool's rows start .. start + len(live); returns [tokens, logprob, top ids, top] on
+        the sampler's device."""
+        args = self.put((logits, sb, step, np.int32(start), live))
+        self.state, *out = PROGRAMS.jit(sample_window, donate_argnums=(0,))(self.state, *args)
+        return out
 
     def move(self, src: int, dst: int) -> None:
-        if self.state is not None:
-            self.state = PROGRAMS.jit(_move, donate_argnums=(0,))(self.state, self.put(np.int32(src)),
-                                                                   self.put(np.int32(dst)))
-
-
-def sampler(logprobs: bool):
-    """The jitted sampler: (logits [B, V], SamplingBatch, step int32 [B], PenaltyState | None) -> tokens, or
-    (tokens, logprob, top ids, top values) with logprobs."""
-    return PROGRAMS.jit(sample_logprobs if logprobs else sample)
+        self.state = PROGRAMS.jit(_move, donate_argnums=(0,))(self.state, self.put(np.int32(src)),
+                                                               self.put(np.int32(dst)))
 
 
 def logprob_entries(tok: int, lp: float, ids: np.ndarray, vals: np.ndarray, n: int) -> tuple:

@@ -43,18 +43,18 @@ def batch_bucket(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
 
-def pack_chunk(prompts: Sequence[np.ndarray | None], done: Sequence[int], rows: int, chunk: int
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pack_chunk(prompts: Sequence[np.ndarray | None], done: Sequence[int], rows: int, chunk: int,
+               width: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The next prefill chunk of a batch: row b takes up to `chunk` tokens of prompts[b] from offset done[b]; rows
     past len(prompts), None prompts and finished prompts stay empty (position -1, so they write no state).
 
-    Returns (tokens int32 [rows, S], positions int32 [rows, S], taken int [rows]), S the length bucket of the
-    longest take."""
+    Returns (tokens int32 [rows, S], positions int32 [rows, S], taken int [rows]), S `width` (a chunk bucket the
+    caller chose) or the length bucket of the longest take."""
     taken = np.zeros(rows, int)
     for b, p in enumerate(prompts):
         if p is not None:
             taken[b] = np.clip(len(p) - done[b], 0, chunk)
-    S = length_bucket(int(taken.max(initial=0)))
+    S = width if width is not None else length_bucket(int(taken.max(initial=0)))
     toks = np.zeros((rows, S), np.int32)
     pos = np.full((rows, S), -1, np.int32)
     for b in np.flatnonzero(taken):
@@ -76,11 +76,12 @@ def run_step(model: Model, state: dict, tokens, positions, history=None, *, engr
         engram = model.engram_inputs(history, tokens, positions)
     embeds = chunk_embeds(model, np.asarray(tokens), np.asarray(positions), images) if images and any(images) else None
     step = model.step_fn(all_logits=all_logits, rows=rows)
-    extra = () if embeds is None else (embeds,)
+    # positional, in one fixed form, as runtime/lowering.step_programs lowers them: a program compiled ahead of time
+    # is found only by a call with the same argument structure
+    args = (model.params, state, model.put(tokens), model.put(positions), engram)
     if rows is not None and start is not None:
-        return step(model.params, state, model.put(tokens), model.put(positions), engram, *extra,
-                    start=model.put(np.int32(start)))
-    return step(model.params, state, model.put(tokens), model.put(positions), engram, *extra)
+        return step(*args, embeds, model.put(np.int32(start)))
+    return step(*args) if embeds is None else step(*args, embeds)
 
 
 def count_tokens(pen: PenaltyState | None, tokens: jax.Array) -> PenaltyState | None:

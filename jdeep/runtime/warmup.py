@@ -1,43 +1,88 @@
-"""Engine.warmup: run every program of the engine's inventory (inventory.py, Runner.programs) once before the first
-request, so serving never pauses to compile. Each entry kind has its warmer here: the slot pool's reset, move and
+"""Engine.warmup: compile every program of the engine's inventory (inventory.py, Runner.programs) ahead of running,
+side by side on a pool of threads (`precompile`), then run each once before the first request, so serving never
+pauses to compile. Each entry kind has its warmer here: the slot pool's reset, move and
 snapshot copy-out / copy-in (slot 0 onto itself), the step programs (rows at position -1), the sampler variants on
-the steps' own logits (placed as in serving), the penalty pool's programs, and the prompt-logprob program on an
-all-positions step's logits. Nothing in the state, the drafter's state, the Engram history or the requests changes;
-the penalty pool's state is left as it was (not allocated if no penalised request came yet)."""
+the steps' own logits (placed as in serving), the penalty pool's programs, and (when asked: they are compiled on
+first use in serving) the prompt-logprob program on an all-positions step's logits. Nothing in the state, the
+drafter's state, the Engram history or the requests changes; the penalty pool's state is left as it was."""
 
 from __future__ import annotations
 
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .inventory import ProgramSpec, total_programs
 from .sampling import SamplingParams, host_batch
 from .scheduler import Window
-from .slot_sampling import chunk_prompt_logprobs, sampler
+from .slot_sampling import chunk_prompt_logprobs
 
-__all__ = ["WarmContext", "warm_programs", "warm_plain"]
+__all__ = ["WarmContext", "Precompiled", "precompile", "warm_programs", "warm_plain"]
 
 
 @dataclass
 class WarmContext:
-    """What one warm-up's entries hand to later ones: each window size's step logits, all-positions logits, penalty
-    windows, sampled tokens, and snapshots awaiting their copy-in."""
+    """What one warm-up's entries hand to later ones: each window size's step logits, all-positions logits, and
+    snapshots awaiting their copy-in."""
 
     logits: dict = field(default_factory=dict)
     all_logits: dict = field(default_factory=dict)
-    windows: dict = field(default_factory=dict)
-    tokens: dict = field(default_factory=dict)
     snapshots: dict = field(default_factory=dict)
 
 
-def warm_programs(runner, specs: Sequence[ProgramSpec]) -> int:
-    """Run each entry of `specs` once through runner.warm (in order: later entries use earlier ones' outputs);
+@dataclass
+class Precompiled:
+    """What `precompile` did: programs compiled, seconds, and the programs it could not compile ahead of running
+    ((name, error) pairs; they compile when warm-up runs them)."""
+
+    programs: int = 0
+    seconds: float = 0.0
+    failed: list = field(default_factory=list)
+
+
+def precompile(runner, specs: Sequence[ProgramSpec], workers: int | None = None,
+               progress: Callable[[int, int, float], None] | None = None) -> Precompiled:
+    """Lower and compile every program of `specs` (Runner.lowered: the programs the runner calls, over the live
+    parameters' and state's shapes, placed as its calls place them) without running any, on `workers` threads
+    (default: the CPU count; XLA compiles release the GIL, so compiles run side by side). progress(done, total,
+    seconds so far) is called after each. The programs then run from JAX's caches: warm-up executes them without
+    compiling. A model on a device mesh compiles as it runs (nothing is precompiled)."""
+    out, t0 = Precompiled(), time.perf_counter()
+    programs = runner.lowered(specs)
+    if not programs:
+        return out
+
+    def build(prog):
+        prog.lower().compile()
+        return prog
+
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        futures = {pool.submit(build, p): p for p in programs}
+        for i, f in enumerate(as_completed(futures), 1):
+            try:
+                f.result()
+                out.programs += 1
+            except Exception as e:        # compiled again when warm-up runs it, where the error would show
+                out.failed.append((futures[f].name, f"{type(e).__name__}: {e}"))
+            if progress is not None:
+                progress(i, len(programs), time.perf_counter() - t0)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def warm_programs(runner, specs: Sequence[ProgramSpec], workers: int | None = None,
+                  progress: Callable[[int, int, float], None] | None = None) -> int:
+    """Compile every program of `specs` ahead of running (`precompile`: in parallel; runner.precompiled records what
+    it did), then run each entry once through runner.warm (in order: later entries use earlier ones' outputs);
     returns the number of compiled programs they hold (inventory.total_programs)."""
+    runner.precompiled = precompile(runner, specs, workers, progress)
     counts, pool = dict(runner.steps_per_bucket), runner.pool
     pen = pool.penalties
-    kept, pen.state = pen.state, None
+    kept, pen.state = pen.state, pen.fresh()
     ctx = WarmContext()
     for spec in specs:
         runner.warm(spec, ctx)
@@ -68,15 +113,9 @@ def warm_plain(runner, spec: ProgramSpec, ctx: WarmContext) -> None:
         pool.penalties.admit(0, np.zeros(1, np.int32))
     elif spec.name == "penalties.move":
         pool.penalties.move(0, 0)
-    elif spec.name.endswith(".penalties.window"):
-        ctx.windows[n] = pool.penalties.window(0, n)
-    elif spec.name.endswith(".penalties.count"):
-        pool.penalties.count(0, ctx.tokens[n], np.zeros(n, bool))
     elif spec.kind == "sampler":
-        args = model.to_sampler((ctx.logits[n], host_batch([SamplingParams()] * n), np.zeros(n, np.int32)))
-        want = "logprobs" in spec.variant
-        out = sampler(want)(*args, ctx.windows[n] if "penalties" in spec.variant else None)
-        ctx.tokens[n] = out[0] if want else out
+        pool.penalties.sample(ctx.logits[n], host_batch([SamplingParams()] * n), np.zeros(n, np.int32), 0,
+                              np.zeros(n, bool))
     elif spec.kind == "prompt_logprobs":
         pos = np.full((n, spec.seq), -1, np.int32)
         chunk_prompt_logprobs(model, ctx.all_logits.pop((n, spec.seq)), pos, {})

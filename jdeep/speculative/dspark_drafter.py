@@ -39,7 +39,7 @@ __all__ = ["DSparkDrafter"]
 
 def _no_stops(rows: int) -> tuple[jax.Array, jax.Array]:
     """stops int32 [rows, 1] and max_new int32 [rows] that never end a row on the device (the host ends requests)."""
-    return jnp.full((rows, 1), -1, jnp.int32), jnp.full((rows,), INT32_MAX, jnp.int32)
+    return np.full((rows, 1), -1, np.int32), np.full((rows,), INT32_MAX, np.int32)
 
 
 def _decode_window(params, state, dstate, x, p, count, live, sb, start, *, rows, k, greedy, config, plan, numerics):
@@ -148,7 +148,7 @@ class DSparkDrafter:
         carry = RowCarry(ivec, ivec, ivec, bvec)
         draft_p = draft_program(t, greedy)
         drafts, q = jax.eval_shape(draft_p, params, dstate, carry, sb)
-        stops, max_new = jax.eval_shape(lambda: _no_stops(n))
+        stops, max_new = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _no_stops(n))
         return [(f"{name}.draft", draft_p, (params, dstate, carry, sb)),
                 (f"{name}.verify", verify_program(t, self.k, greedy),
                  (params, state, dstate, carry, drafts, q, sb, stops, max_new, t.abstract_engram(n, self.k + 1)))]
@@ -171,10 +171,10 @@ class DSparkDrafter:
         engram = m.engram_inputs(history, chunk.tokens, chunk.positions)
         if m.compile_mode == "regions":          # the whole pool
             first, state, dstate = self._regions_programs(greedy).prefill(
-                m.params, state, dstate, put(chunk.tokens), put(chunk.positions), engram, sb)
+                m.params, state, dstate, put(chunk.tokens), put(chunk.positions), engram, put(sb))
         else:
             state, dstate, first = self._program(_prefill_window, chunk.rows, greedy=greedy)(
-                m.params, state, dstate, put(chunk.tokens), put(chunk.positions), engram, sb,
+                m.params, state, dstate, put(chunk.tokens), put(chunk.positions), engram, put(sb),
                 put(np.int32(chunk.start)))
         return state, dstate, fetch_emitted(m, first, logprobs, logits)
 
@@ -183,13 +183,14 @@ class DSparkDrafter:
         m, put = self.model, self.model.put
         if self.blocks_on_device:
             state, dstate, emitted, a = self._program(_decode_window, rows.rows, k=self.k, greedy=greedy)(
-                m.params, state, dstate, put(rows.x), put(rows.p), put(rows.count), put(rows.live), sb,
+                m.params, state, dstate, put(rows.x), put(rows.p), put(rows.count), put(rows.live), put(sb),
                 put(np.int32(rows.start)))
             return state, dstate, fetch_emitted(m, emitted, logprobs), m.fetch(a)
         # the whole pool (start 0, rows n_slots): Engram rows gathered between the draft and the verify, or the
         # regions mode's programs
         carry = RowCarry(put(rows.x), put(rows.p), put(rows.count), put(~rows.live))
-        state, dstate, _, emitted, a = self._host_iteration(state, dstate, carry, sb, *_no_stops(rows.rows), greedy,
+        stops, max_new = put(_no_stops(rows.rows))
+        state, dstate, _, emitted, a = self._host_iteration(state, dstate, carry, put(sb), stops, max_new, greedy,
                                                             history)
         return state, dstate, fetch_emitted(m, emitted, logprobs), m.fetch(a)
 

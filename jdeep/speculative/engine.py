@@ -33,6 +33,7 @@ from ..runtime.warmup import WarmContext
 from .config import parse_speculative
 from .drafter import DecodeRows, Drafter, Emitted, PrefillChunk
 from .dspark_drafter import DSparkDrafter
+from .inventory import drafter_programs as drafter_entry_programs
 from .inventory import drafting_programs
 from .mtp_drafter import MtpDrafter
 from .stats import SpecStats
@@ -155,6 +156,12 @@ class SpeculativeRunner(Runner):
         sampled. prompt_logprobs: unused (speculation refuses them)."""
         return drafting_programs(self.scheduler, self.pool.n_slots,
                                  snapshot_sizes(self.pool.snapshot_block, max_len), self.drafter)
+
+    def lowered(self, specs: list[ProgramSpec], drafter_programs=None):
+        """Runner.lowered, the drafter's entries through speculative.inventory.drafter_programs."""
+        def drafts(spec, params, state):
+            return drafter_entry_programs(self.drafter, spec, params, state, self.pool.n_slots, self.pool.cache_len)
+        return super().lowered(specs, drafts)
 
     def warm(self, spec: ProgramSpec, ctx: WarmContext) -> None:
         """Run one entry of `programs` on rows at position -1 (no state, drafter state or Engram history changes)."""

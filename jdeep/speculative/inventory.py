@@ -22,7 +22,7 @@ from ..model.spec import ModelSpec
 from ..plan import build_plan
 from ..runtime.inventory import ProgramSpec, slot_programs
 from ..runtime.prefix_snapshot import prefix_block, snapshot_sizes
-from ..runtime.scheduler import Scheduler
+from ..runtime.scheduler import Scheduler, serving_scheduler
 from ..runtime.slot_pool import window_mode_for
 from ..runtime.slots import default_batched_tokens
 from ..runtime.steps import batch_bucket, state_length
@@ -62,7 +62,9 @@ def drafter_for_spec(spec: ModelSpec, method: str, k: int) -> Drafter:
 
 def plan_speculative_inventory(spec: ModelSpec, method: str, k: int, max_num_seqs: int, max_len: int,
                                prefill_chunk: int = 256, max_num_batched_tokens: int | None = None,
-                               prefix_cache: bool = True) -> tuple[list[ProgramSpec], int, int, Drafter]:
+                               prefix_cache: bool = True, batch_buckets: Sequence[int] | None = None,
+                               chunk_buckets: Sequence[int] | None = None
+                               ) -> tuple[list[ProgramSpec], int, int, Drafter]:
     """The SpeculativeEngine's inventory for these serving settings from the spec alone (runtime.inventory's
     plan_inventory for speculation: what `make_engine(model, {"method": method, "num_speculative_tokens": k},
     ...).programs()` returns on one device). Returns (specs, n_slots, the state's length, the weightless drafter)."""
@@ -71,7 +73,7 @@ def plan_speculative_inventory(spec: ModelSpec, method: str, k: int, max_num_seq
     n_slots = batch_bucket(max_num_seqs)
     budget = max_num_batched_tokens or default_batched_tokens(n_slots * width, prefill_chunk)
     mode = drafter.window_mode(window_mode_for(spec.config.engram is not None, mesh=False))
-    sched = Scheduler(n_slots, budget, prefill_chunk, mode, width)
+    sched = serving_scheduler(n_slots, budget, prefill_chunk, mode, width, batch_buckets, chunk_buckets)
     state_len = state_length(max_len, width)
     sizes = snapshot_sizes(prefix_block(spec.config) if prefix_cache else None, max_len)
     return drafting_programs(sched, n_slots, sizes, drafter), n_slots, state_len, drafter

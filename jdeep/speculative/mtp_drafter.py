@@ -287,14 +287,14 @@ class MtpDrafter:
         m, put = self.model, self.model.put
         state, dstate, first = self._prefill_program(chunk.rows, greedy)(
             m.params, state, dstate, put(chunk.tokens), put(chunk.positions), put(chunk.next_tokens), put(chunk.ends),
-            sb, put(np.int32(chunk.start)))
+            put(sb), put(np.int32(chunk.start)))
         return state, dstate, fetch_emitted(m, first, logprobs, logits)
 
     def decode(self, state, dstate: MtpSlots, rows: DecodeRows, sb: SamplingBatch, greedy: bool, history,
                logprobs: bool = False):
         m, put = self.model, self.model.put
         state, dstate, emitted, a = self._decode_program(rows.rows, greedy)(
-            m.params, state, dstate, put(rows.x), put(rows.p), put(rows.count), put(rows.live), sb,
+            m.params, state, dstate, put(rows.x), put(rows.p), put(rows.count), put(rows.live), put(sb),
             put(np.int32(rows.start)))
         return state, dstate, fetch_emitted(m, emitted, logprobs), m.fetch(a)
 

@@ -166,13 +166,14 @@ def test_prompt_logprobs_equal_forward(model, generated):
 
 @pytest.fixture(scope="module")
 def served(model, generated):
-    """FEATURES and plain requests through a 2-slot Engine, warmed up first (from cleared caches): (engine, outputs in
-    request order, programs compiled after warmup, the penalty rows' slot moves)."""
+    """FEATURES and plain requests through a 2-slot Engine, warmed up first with its first-use programs (the prompt
+    logprob variants; from cleared caches): (engine, outputs in request order, programs compiled after warmup, the
+    penalty rows' slot moves)."""
     from jax._src.dispatch import BACKEND_COMPILE_EVENT
 
     jax.clear_caches()
     eng = Engine(model, **ENGINE)
-    eng.warmup()
+    eng.warmup(first_use=True)
     compiles, recording = [], [True]
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(event) if recording[0] and event == BACKEND_COMPILE_EVENT else None)
@@ -187,7 +188,7 @@ def served(model, generated):
 
 def test_warmup_reaches_every_sampling_program(served):
     """Penalties, logit_bias, min_tokens, logprobs and prompt logprobs, a penalised request's slot move: nothing
-    compiles after Engine.warmup."""
+    compiles after Engine.warmup(first_use=True)."""
     eng, outs, compiles, moves = served
     assert all(o.finished and o.error is None for o in outs)
     assert set(eng.steps_per_bucket) == {1, 2} and moves

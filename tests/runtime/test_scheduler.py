@@ -47,11 +47,17 @@ def test_the_oldest_prompt_always_progresses():
         Scheduler(8, max_batched_tokens=8, max_chunk=256)
 
 
-@pytest.mark.parametrize("mode", ["aligned", "prefix", "pool"])
-def test_random_pools_serve_everyone_within_the_compiled_set(mode):
+@pytest.mark.parametrize("mode,ladders", [("aligned", None), ("prefix", None), ("pool", None),
+                                          ("aligned", ((1, 8), (16, 64, 256))), ("prefix", ((2,), (64, 512)))])
+def test_random_pools_serve_everyone_within_the_compiled_set(mode, ladders):
+    """Every power of two as buckets, or declared ladders (buckets.py): the plans stay within the programs listed."""
     rng = np.random.default_rng(0)
     for budget, chunk in [(24, 16), (264, 256), (100, 64), (4096, 512)]:
-        sch = Scheduler(8, budget, chunk, mode)
+        if ladders is None:
+            sch = Scheduler(8, budget, chunk, mode)
+        else:
+            sch = Scheduler(8, budget, chunk, mode, batch_buckets=ladders[0],
+                            chunk_buckets=[S for S in ladders[1] if S <= chunk] or None)
         programs = set(sch.prefill_programs())
         decode_programs = set(sch.decode_programs())
         for _ in range(300):
@@ -68,11 +74,25 @@ def test_random_pools_serve_everyone_within_the_compiled_set(mode):
                 assert not it.prefill
                 continue
             oldest = min(waiting, key=lambda i: order[i])
-            assert oldest in it.prefill and it.prefill[oldest] >= min(remaining[oldest], 16)
+            smallest = sch.chunk_buckets[0]
+            assert oldest in it.prefill and it.prefill[oldest] >= min(remaining[oldest], smallest)
             assert all(0 < n <= min(remaining[i], it.chunk) for i, n in it.prefill.items())
             assert all(i in it.prefill_window for i in it.prefill)
             assert (it.prefill_window.rows, it.chunk) in programs
             w = it.prefill_window
             assert w.start % w.rows == 0 and w.start + w.rows <= 8
             # within the budget, unless the oldest prompt alone takes the one minimum chunk it is always owed
-            assert it.cost <= budget or (it.chunk == 16 and list(it.prefill) == [oldest])
+            assert it.cost <= budget or (it.chunk == smallest and list(it.prefill) == [oldest])
+
+
+def test_declared_ladders_pick_the_smallest_bucket_that_holds_the_work():
+    sch = Scheduler(8, 8 + 256, 256, batch_buckets=[1, 4], chunk_buckets=[16, 64, 256])
+    assert sch.batch_buckets == (1, 4, 8) and sch.decode_programs() == [1, 4, 8]     # the pool's size is always one
+    it = sch.schedule([0, 0, None, None, None, 30, None, None])
+    assert it.decode_window == Window(0, 4)                  # 2 rows needed: widened to the 4-row bucket
+    assert it.prefill_window == Window(5, 1) and it.chunk == 64 and it.prefill == {5: 30}
+    assert sch.prefill_programs() == [(1, 16), (1, 64), (1, 256), (4, 16), (4, 64), (8, 16)]
+    for bad, what in [(dict(batch_buckets=[3]), "power of two"), (dict(batch_buckets=[16]), "exceeds"),
+                      (dict(chunk_buckets=[8]), "at least 16"), (dict(chunk_buckets=[512]), "exceeds")]:
+        with pytest.raises(ValueError, match=what):
+            Scheduler(8, 264, 256, **bad)

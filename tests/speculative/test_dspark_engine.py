@@ -68,6 +68,7 @@ def test_dspark_engine_with_engram_gives_the_plain_engines_tokens(golden, monkey
     # the pool: (draft + verify, prefill 16) x (greedy, sampled), the target's and the drafter's slot resets: the
     # engine's inventory
     assert eng.warmup() == total_programs(eng.programs()) == 2 * 2 + 2 + 2
+    assert eng.runner.precompiled.programs and not eng.runner.precompiled.failed     # compiled ahead, in parallel
     for before, after in zip(state, jax.tree_util.tree_leaves((eng.state, eng.dstate))):
         np.testing.assert_array_equal(before, np.asarray(after))
 

@@ -62,6 +62,7 @@ def test_speculative_engine_gives_the_plain_engines_tokens(model):
     # windows 1, 2 x (decode, prefill 16) x (greedy, sampled), the target's and the drafter's slot resets, the move
     # of both states: the engine's inventory
     assert eng.warmup() == len(eng.programs()) == 2 * 2 * 2 + 3
+    assert eng.runner.precompiled.programs and not eng.runner.precompiled.failed     # compiled ahead, in parallel
     for before, after in zip(state, jax.tree_util.tree_leaves(eng.state)):
         np.testing.assert_array_equal(before, np.asarray(after))
     compiles = []

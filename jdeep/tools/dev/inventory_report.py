@@ -67,17 +67,20 @@ def _programs_per_entry(t: ModelSpec, specs: Sequence[ProgramSpec], n_slots: int
 
 def count_inventory(t: ModelSpec, max_num_seqs: int, max_len: int, prefill_chunk: int = 256,
                     max_num_batched_tokens: int | None = None, prefix_cache: bool = True,
-                    speculative_tokens: int | None = None) -> InventoryCount:
+                    speculative_tokens: int | None = None, batch_buckets: Sequence[int] | None = None,
+                    chunk_buckets: Sequence[int] | None = None) -> InventoryCount:
     """The inventory `jdeep serve` with these settings runs for a model of spec `t`, counted (no weights, nothing
     compiled)."""
     drafter = None
     if speculative_tokens is None:
         specs, n_slots, state_len = plan_inventory(t.config, max_num_seqs, max_len, prefill_chunk,
-                                                   max_num_batched_tokens, prefix_cache=prefix_cache)
+                                                   max_num_batched_tokens, prefix_cache=prefix_cache,
+                                                   batch_buckets=batch_buckets, chunk_buckets=chunk_buckets)
     else:
         method = "dspark" if t.config.dspark is not None else "mtp"
         specs, n_slots, state_len, drafter = plan_speculative_inventory(
-            t, method, speculative_tokens, max_num_seqs, max_len, prefill_chunk, max_num_batched_tokens, prefix_cache)
+            t, method, speculative_tokens, max_num_seqs, max_len, prefill_chunk, max_num_batched_tokens, prefix_cache,
+            batch_buckets, chunk_buckets)
     settings = {"slots": n_slots, "max_len": max_len, "state_len": state_len, "prefill_chunk": prefill_chunk,
                 "prefix_cache": prefix_cache, "speculative_tokens": speculative_tokens}
     return InventoryCount(t, specs, _programs_per_entry(t, specs, n_slots, state_len, drafter), settings)
@@ -90,7 +93,7 @@ def format_inventory(c: InventoryCount) -> str:
     lines = [f"programs of `jdeep serve` ({c.spec.compile_mode} mode; {s['slots']} slots, max-len {s['max_len']} "
              f"(state {s['state_len']}), prefill chunk {s['prefill_chunk']}, prefix cache "
              f"{'on' if s['prefix_cache'] else 'off'}{spec}):",
-             f"  {'kind':<16}{'entries':>8}{'programs':>10}  names"]
+             ]
     entries, programs = Counter(), Counter()
     names: dict[str, list[str]] = {}
     for sp, n in zip(c.specs, c.programs):
@@ -98,9 +101,11 @@ def format_inventory(c: InventoryCount) -> str:
         entries[kind] += 1
         programs[kind] += n
         names.setdefault(kind, []).append(sp.name)
+    width = max(map(len, entries)) + 2
+    lines.append(f"  {'kind':<{width}}{'entries':>8}{'programs':>10}  names")
     for kind in entries:
-        shown = ", ".join(names[kind][:4]) + (", ..." if len(names[kind]) > 4 else "")
-        lines.append(f"  {kind:<16}{entries[kind]:>8}{programs[kind]:>10}  {shown}")
+        shown = ", ".join(names[kind][:3]) + (", ..." if len(names[kind]) > 3 else "")
+        lines.append(f"  {kind:<{width}}{entries[kind]:>8}{programs[kind]:>10}  {shown}")
     lines.append(f"  warm-up compiles {c.warmup_programs} programs; {c.first_use_programs} more compile on first use")
     if c.spec.compile_mode == "regions":
         lines.append("  (regions mode: each model step is one program per region: embed, each layer kind's attention "

@@ -12,18 +12,13 @@ jax.ShapeDtypeStruct built from the config alone (no weights are read).
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from typing import Callable, Sequence
-
-import jax
-import jax.numpy as jnp
+from typing import Sequence
 
 from ...model.cache import PROGRAMS, ProgramCache
-from ...model.model import compiled_rows_step, compiled_step
-from ...model.regions import regions_step
 from ...model.spec import ModelSpec
-from ...runtime.inventory import ProgramSpec, abstract_program
+from ...runtime.inventory import ProgramSpec
+from ...runtime.lowering import Program, step_inputs, step_programs
+from ...runtime.lowering import inventory_programs as runtime_inventory_programs
 from ...runtime.sampling import SamplingBatch, abstract_batch
 from ...runtime.steps import length_bucket
 from ...speculative.inventory import drafter_for_spec, drafter_programs
@@ -38,30 +33,6 @@ SERVING_PREFILL_TOKENS = 8192   # the token budget of one prefill step (batch x 
 
 
 Target = ModelSpec     # what to build programs for: a model's spec, from a loaded model or a config alone
-
-
-@dataclass(frozen=True)
-class Program:
-    name: str            # e.g. "b4.decode" (scan) or "b4.decode.attn.csa.r2" (regions)
-    fn: Callable         # the jitted function, or functools.partial of one binding its static keyword arguments
-    args: tuple          # abstract arguments (pytrees of jax.ShapeDtypeStruct)
-    bucket: dict         # {"batch": B, "seq": S, "step": "prefill" | "decode", "max_len": max_len}
-
-    def lower(self) -> jax.stages.Lowered:
-        if isinstance(self.fn, functools.partial):
-            return self.fn.func.lower(*self.args, **self.fn.keywords)
-        return self.fn.lower(*self.args)
-
-
-def _spec(tree):
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-
-
-def step_inputs(t: Target, B: int, S: int, max_len: int) -> tuple:
-    """Abstract (params, state, tokens, positions, engram, embeds) of a step over B slots and S tokens."""
-    ids = jax.ShapeDtypeStruct((B, S), jnp.int32)
-    embeds = jax.ShapeDtypeStruct((B, S, t.config.dim), t.dtype) if t.host_embedding else None
-    return t.abstract_params(), t.abstract_state(B, max_len), ids, ids, t.abstract_engram(B, S), embeds
 
 
 def sampling_inputs(B: int) -> SamplingBatch:
@@ -99,55 +70,16 @@ def model_programs(t: Target, batch_sizes=(1,), prefill_len: int | Sequence[int]
     return out
 
 
-def step_programs(t: Target, name: str, step: str, B: int, S: int, max_len: int, pool: int | None = None,
-                  all_logits: bool = False, cache: ProgramCache = PROGRAMS) -> list[Program]:
-    """The program(s) of one model step over B rows of S tokens on a state of `max_len` tokens, named `name` (in the
-    regions mode one per region, "{name}.{region}"); step: "prefill" or "decode" (its bucket's label). pool: B < pool
-    rows run as the Engine runs them, a window (traced first slot) of a `pool`-slot state (not models with Engram,
-    which step the whole pool). all_logits: every position's logits (the prompt-logprob variant)."""
-    window = pool is not None and B < pool and t.config.engram is None
-    bucket = {"batch": B, "seq": S, "step": step, "max_len": max_len}
-    args = step_inputs(t, B, S, max_len)
-    if window:
-        bucket["pool"] = pool
-        args = (args[0], step_inputs(t, pool, 1, max_len)[1]) + args[2:] + (jax.ShapeDtypeStruct((), jnp.int32),)
-    if t.compile_mode == "scan":
-        fn = (compiled_rows_step(t.config, t.plan, t.numerics, all_logits, B, cache=cache) if window else
-              compiled_step(t.config, t.plan, t.numerics, all_logits, cache=cache))
-        return [Program(name, fn, args, bucket)]
-    rs = regions_step(t.config, t.plan, t.numerics, all_logits, rows=B if window else None, cache=cache)
-    return [Program(f"{name}.{n}", fn, a, bucket) for n, fn, a in rs.programs(*args)]
-
-
 def inventory_programs(t: Target, specs: Sequence[ProgramSpec], n_slots: int, state_len: int,
                        cache: ProgramCache = PROGRAMS, drafter=None) -> list[Program]:
     """An engine's inventory (runtime/inventory.py: Engine.programs, plan_inventory; speculative/inventory.py:
     plan_speculative_inventory, with its weightless `drafter`) lowered from the config alone, entry by entry under the
-    inventory's names (a step in the regions mode: one program per region, "{name}.{region}"; a drafter entry that
-    runs several programs: one each, "{name}.{part}"): model steps as step_programs builds them over an n_slots-slot
-    state of state_len tokens, the rest as the engine runs them (inventory.abstract_program,
+    inventory's names (runtime/lowering.inventory_programs; drafter entries through
     speculative.inventory.drafter_programs)."""
-    out = []
-    state = None
-    for spec in specs:
-        bucket = {"batch": spec.rows, "seq": spec.seq, "step": spec.kind, "max_len": state_len}
-        if spec.kind == "step":
-            step = "decode" if spec.name.endswith(".decode") else "prefill"
-            out += step_programs(t, spec.name, step, spec.rows, spec.seq, state_len, n_slots,
-                                 all_logits=spec.variant == "all_logits", cache=cache)
-            continue
-        if state is None:
-            state = t.abstract_state(n_slots, state_len)
-        if spec.kind in ("drafter", "spec.decode", "spec.prefill"):
-            if spec.kind == "spec.decode":
-                bucket["step"] = "decode"
-            out += [Program(name, fn, args, bucket)
-                    for name, fn, args in drafter_programs(drafter, spec, drafter.spec.abstract_params(), state,
-                                                           n_slots, state_len)]
-            continue
-        fn, args, static = abstract_program(spec, state, t.config.vocab_size, n_slots, state_len)
-        out.append(Program(spec.name, functools.partial(fn, **static) if static else fn, args, bucket))
-    return out
+    def drafts(spec, params, state):
+        return drafter_programs(drafter, spec, params if params is not None else drafter.spec.abstract_params(),
+                                state, n_slots, state_len)
+    return runtime_inventory_programs(t, specs, n_slots, state_len, cache, drafts if drafter is not None else None)
 
 
 def speculative_programs(t: Target, batch_sizes: Sequence[int], k: int, prefill_lens: Sequence[int],
