@@ -147,10 +147,10 @@ class Model:
         return jax.device_put(tree, jax.devices()[0])
 
     def put(self, x: Any) -> jax.Array:
-        """A host array as a step input: committed to the model's device (as the programs' other inputs are, so a
+        """A host array (or a tree of them) as a step input: committed to the model's device (as the programs' other inputs are, so a
         program compiled ahead of time for them is the one a call finds: runtime/lowering.placed), or replicated
         over the mesh (every process of a multi-process run passes the same value)."""
-        return jax.device_put(x, jax.devices()[0]) if self.layout is None else self.layout.put(x)
+        return jax.device_put(x, jax.devices()[0]) if self.layout is None else self.layout.put_tree(x)
 
     def fetch(self, x: jax.Array) -> np.ndarray:
         """A device array on the host, also when it spans the devices of several processes."""

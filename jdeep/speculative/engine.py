@@ -32,15 +32,11 @@ from ..runtime.slots import guarded
 from ..runtime.warmup import WarmContext
 from .config import parse_speculative
 from .drafter import DecodeRows, Drafter, Emitted, PrefillChunk
-from .dspark_drafter import DSparkDrafter
 from .inventory import drafter_programs as drafter_entry_programs
-from .inventory import drafting_programs
-from .mtp_drafter import MtpDrafter
+from .inventory import DRAFTERS, drafting_programs
 from .stats import SpecStats
 
 __all__ = ["SpeculativeEngine", "DraftingSlotPool", "SpeculativeRunner", "make_engine", "make_drafter"]
-
-DRAFTERS = {"mtp": MtpDrafter, "dspark": DSparkDrafter}
 
 
 def make_drafter(model: Model, method: str, k: int) -> Drafter:

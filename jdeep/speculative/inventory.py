@@ -27,8 +27,13 @@ from ..runtime.slot_pool import window_mode_for
 from ..runtime.slots import default_batched_tokens
 from ..runtime.steps import batch_bucket, state_length
 from .drafter import Drafter
+from .dspark_drafter import DSparkDrafter
+from .mtp_drafter import MtpDrafter
 
-__all__ = ["drafting_programs", "plan_speculative_inventory", "drafter_programs", "drafter_for_spec"]
+__all__ = ["DRAFTERS", "drafting_programs", "plan_speculative_inventory", "drafter_programs", "drafter_for_spec"]
+
+
+DRAFTERS = {"mtp": MtpDrafter, "dspark": DSparkDrafter}    # speculative method -> its drafter class
 
 
 def drafting_programs(sched: Scheduler, n_slots: int, sizes: Sequence[int], drafter: Drafter) -> list[ProgramSpec]:
@@ -52,8 +57,6 @@ def drafting_programs(sched: Scheduler, n_slots: int, sizes: Sequence[int], draf
 def drafter_for_spec(spec: ModelSpec, method: str, k: int) -> Drafter:
     """The drafter of `method` for a model of `spec` without weights (its programs only); the spec's plan gets the
     drafter's layers when it has none."""
-    from .engine import DRAFTERS
-
     if spec.plan.mtp is None and spec.plan.dspark is None:
         spec = ModelSpec(spec.config, build_plan(spec.config, mtp=True), spec.numerics, spec.dtype, spec.compile_mode,
                          spec.host_embedding, spec.packed_params, spec.layout)
@@ -73,7 +76,8 @@ def plan_speculative_inventory(spec: ModelSpec, method: str, k: int, max_num_seq
     n_slots = batch_bucket(max_num_seqs)
     budget = max_num_batched_tokens or default_batched_tokens(n_slots * width, prefill_chunk)
     mode = drafter.window_mode(window_mode_for(spec.config.engram is not None, mesh=False))
-    sched = serving_scheduler(n_slots, budget, prefill_chunk, mode, width, batch_buckets, chunk_buckets)
+    sched = serving_scheduler(n_slots, budget, prefill_chunk, mode, width, batch_buckets, chunk_buckets,
+                              images=spec.config.vision is not None)
     state_len = state_length(max_len, width)
     sizes = snapshot_sizes(prefix_block(spec.config) if prefix_cache else None, max_len)
     return drafting_programs(sched, n_slots, sizes, drafter), n_slots, state_len, drafter
