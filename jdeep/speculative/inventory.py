@@ -13,6 +13,7 @@ copies both states in one program):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import jax
@@ -58,8 +59,7 @@ def drafter_for_spec(spec: ModelSpec, method: str, k: int) -> Drafter:
     """The drafter of `method` for a model of `spec` without weights (its programs only); the spec's plan gets the
     drafter's layers when it has none."""
     if spec.plan.mtp is None and spec.plan.dspark is None:
-        spec = ModelSpec(spec.config, build_plan(spec.config, mtp=True), spec.numerics, spec.dtype, spec.compile_mode,
-                         spec.host_embedding, spec.packed_params, spec.layout)
+        spec = dataclasses.replace(spec, plan=build_plan(spec.config, mtp=True))
     return DRAFTERS[method].for_spec(spec, k)
 
 

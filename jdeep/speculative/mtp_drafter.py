@@ -183,9 +183,11 @@ class MtpDrafter:
 
     def new_state(self, n_slots: int, cache_len: int) -> MtpSlots:
         m = self.model
+        if m.layout is None:
+            return jax.device_put(self.empty_state(n_slots, cache_len), jax.devices()[0])
         n, d = m.config.hc_mult, m.config.dim
-        carry = (np.zeros((n_slots, m.config.vocab_size), np.float32), np.zeros((n_slots, n, d), m.dtype))
-        carry = jax.device_put(carry, jax.devices()[0]) if m.layout is None else m.layout.put_tree(carry)
+        carry = m.layout.put_tree((np.zeros((n_slots, m.config.vocab_size), np.float32),
+                                   np.zeros((n_slots, n, d), m.dtype)))
         return MtpSlots(new_mtp_state(m, n_slots, cache_len), *carry)
 
     def slot_program(self, name: str):

@@ -14,8 +14,8 @@ import jax
 
 from ...model.spec import ModelSpec
 from ...runtime.inventory import ProgramSpec, plan_inventory
-from ...speculative.inventory import plan_speculative_inventory
-from .programs import inventory_programs
+from ...runtime.lowering import inventory_programs
+from ...speculative.inventory import drafter_programs, plan_speculative_inventory
 
 __all__ = ["InventoryCount", "count_inventory", "format_inventory"]
 
@@ -54,10 +54,13 @@ def _programs_per_entry(t: ModelSpec, specs: Sequence[ProgramSpec], n_slots: int
     speculative verify's region programs) count it once."""
     seen: set = set()
     out = []
+    target = t if drafter is None else drafter.spec
+    state = target.abstract_state(n_slots, state_len)       # once, not per entry
+    drafts = None if drafter is None else (lambda spec, params, st: drafter_programs(
+        drafter, spec, params if params is not None else drafter.spec.abstract_params(), st, n_slots, state_len))
     for s in specs:
         new = 0
-        for prog in inventory_programs(t if drafter is None else drafter.spec, [s], n_slots, state_len,
-                                       drafter=drafter):
+        for prog in inventory_programs(target, [s], n_slots, state_len, drafter_programs=drafts, state=state):
             key = _program_key(prog)
             new += key not in seen
             seen.add(key)
