@@ -10,9 +10,7 @@ sizes are), so the program set is small and known.
 
 Defaults: every power of two for the batch (a one-request window stays one row: on CPU a decode step's cost grows
 with its rows), and for chunks powers of four from 16 plus the longest chunk (16, 64, 256 for chunks of 256: three
-prefill programs per window where powers of two take five). Models with a vision tower keep every power of two for
-chunks (scheduler.serving_scheduler: a known bug with image chunks padded past twice their length,
-docs/performance.md).
+prefill programs per window where powers of two take five).
 """
 
 from __future__ import annotations

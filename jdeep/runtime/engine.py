@@ -91,8 +91,7 @@ class Engine:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = default_batched_tokens(self.n_slots * decode_width, prefill_chunk)
         self.scheduler = serving_scheduler(self.n_slots, max_num_batched_tokens, prefill_chunk,
-                                           self.pool.window_mode, decode_width, batch_buckets, chunk_buckets,
-                                           images=model.vision is not None)
+                                           self.pool.window_mode, decode_width, batch_buckets, chunk_buckets)
         self.chunk = self.scheduler.max_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos = None if ignore_eos else model.config.eos_token_id

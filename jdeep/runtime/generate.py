@@ -15,6 +15,7 @@ import numpy as np
 from ..model.model import Model
 from ..speculative.config import parse_speculative
 from ..speculative.generate import speculative_generate
+from .buckets import default_chunk_buckets
 from .images import expand_image_prompt, is_image_prompt
 from .requests import RequestError, check_request, prompt_ids
 from .sampling import PenaltyState, SamplingParams, batch_params
@@ -50,8 +51,11 @@ def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: in
     lens = np.array([len(p) for p in prompts] + [0] * (B - len(prompts)))
     last = None
     entries = {b: [None] for b in scored or {}}
+    ladder = default_chunk_buckets(length_bucket(chunk_size))
     for start in range(0, int(lens.max()), chunk_size):
-        toks, pos, _ = pack_chunk(prompts, [start] * len(prompts), B, chunk_size)
+        need = int(np.clip(lens - start, 0, chunk_size).max())     # chunks padded to the ladder: few programs
+        toks, pos, _ = pack_chunk(prompts, [start] * len(prompts), B, chunk_size,
+                                  width=next(S for S in ladder if S >= need))
         logits, state = run_step(model, state, toks, pos, history, all_logits=bool(scored), images=images)
         if scored:
             logits, chunk_entries = chunk_prompt_logprobs(

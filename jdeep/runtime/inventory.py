@@ -95,7 +95,7 @@ def plan_inventory(config, max_num_seqs: int, max_len: int, prefill_chunk: int =
     n_slots = batch_bucket(max_num_seqs)
     budget = max_num_batched_tokens or default_batched_tokens(n_slots, prefill_chunk)
     sched = serving_scheduler(n_slots, budget, prefill_chunk, window_mode_for(config.engram is not None, mesh=False),
-                              1, batch_buckets, chunk_buckets, images=config.vision is not None)
+                              1, batch_buckets, chunk_buckets)
     sizes = snapshot_sizes(prefix_block(config) if prefix_cache else None, max_len)
     return serving_programs(sched, n_slots, sizes, prompt_logprobs), n_slots, state_length(max_len)
 

@@ -158,12 +158,10 @@ class Scheduler:
 
 def serving_scheduler(n_slots: int, max_batched_tokens: int, prefill_chunk: int, window_mode: str = "aligned",
                       decode_width: int = 1, batch_buckets: Sequence[int] | None = None,
-                      chunk_buckets: Sequence[int] | None = None, images: bool = False) -> Scheduler:
+                      chunk_buckets: Sequence[int] | None = None) -> Scheduler:
     """A deployment's Scheduler: its declared ladders, else the serving defaults (buckets.py: every power of two for
-    the batch, buckets.default_chunk_buckets for the chunks; images: a model with a vision tower keeps every power of
-    two for chunks, because a chunk holding image rows padded past twice its length gives other tokens — a known
-    bug, docs/performance.md)."""
-    if chunk_buckets is None and not images:
+    the batch, buckets.default_chunk_buckets for the chunks)."""
+    if chunk_buckets is None:
         chunk_buckets = default_chunk_buckets(max(MIN_BUCKET, floor_pow2(max(1, prefill_chunk))))
     return Scheduler(n_slots, max_batched_tokens, prefill_chunk, window_mode, decode_width, batch_buckets,
                      chunk_buckets)

@@ -76,8 +76,7 @@ def plan_speculative_inventory(spec: ModelSpec, method: str, k: int, max_num_seq
     n_slots = batch_bucket(max_num_seqs)
     budget = max_num_batched_tokens or default_batched_tokens(n_slots * width, prefill_chunk)
     mode = drafter.window_mode(window_mode_for(spec.config.engram is not None, mesh=False))
-    sched = serving_scheduler(n_slots, budget, prefill_chunk, mode, width, batch_buckets, chunk_buckets,
-                              images=spec.config.vision is not None)
+    sched = serving_scheduler(n_slots, budget, prefill_chunk, mode, width, batch_buckets, chunk_buckets)
     state_len = state_length(max_len, width)
     sizes = snapshot_sizes(prefix_block(spec.config) if prefix_cache else None, max_len)
     return drafting_programs(sched, n_slots, sizes, drafter), n_slots, state_len, drafter

@@ -32,7 +32,9 @@ def _prompt(seed: int) -> dict:
 
 
 def test_engine_matches_generate(model):
-    want = jdeep.generate(model, [_prompt(0), "tok7 tok8"], max_new_tokens=4).tokens
+    # both in 16-token chunks: XLA:CPU's products round differently at other widths, and DeepSeek's fp8 activations
+    # can turn that last-bit difference into another token on random weights (docs/performance.md)
+    want = jdeep.generate(model, [_prompt(0), "tok7 tok8"], max_new_tokens=4, prefill_chunk=16).tokens
     engine = Engine(model, max_num_seqs=2, max_len=128, prefill_chunk=16)
     a = engine.add_request(_prompt(0), SamplingParams(max_new_tokens=4))
     b = engine.add_request("tok7 tok8", SamplingParams(max_new_tokens=4))
