@@ -51,9 +51,9 @@ def batch_ladder(n_slots: int, buckets: Sequence[int] | None = None) -> tuple[in
     return tuple(sorted(set(buckets) | {n_slots}))
 
 
-def default_chunk_buckets(max_chunk: int) -> tuple[int, ...]:
-    """Powers of four from MIN_BUCKET below max_chunk, and max_chunk (a power of two >= MIN_BUCKET)."""
-    out, S = [], MIN_BUCKET
+def default_chunk_buckets(max_chunk: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
+    """Powers of four from `smallest` below max_chunk, and max_chunk (powers of two, smallest <= max_chunk)."""
+    out, S = [], smallest
     while S < max_chunk:
         out.append(S)
         S *= 4

@@ -37,6 +37,11 @@ class GenerateOutput:
     prompt_logprobs: list | None = None   # per request asking for them: None for the first prompt token, then entries
 
 
+# jdeep.generate's shortest chunk: a notebook's short prompts (under 64 tokens) share one prefill program; a
+# 64-position chunk costs little more than a 16-position one next to a compile
+GENERATE_MIN_CHUNK = 64
+
+
 def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: int = 512,
             history=None, scored: dict[int, int] | None = None, images: list | None = None
             ) -> tuple[jax.Array, dict]:
@@ -51,7 +56,8 @@ def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: in
     lens = np.array([len(p) for p in prompts] + [0] * (B - len(prompts)))
     last = None
     entries = {b: [None] for b in scored or {}}
-    ladder = default_chunk_buckets(length_bucket(chunk_size))
+    longest = length_bucket(chunk_size)
+    ladder = default_chunk_buckets(longest, min(GENERATE_MIN_CHUNK, longest))
     for start in range(0, int(lens.max()), chunk_size):
         need = int(np.clip(lens - start, 0, chunk_size).max())     # chunks padded to the ladder: few programs
         toks, pos, _ = pack_chunk(prompts, [start] * len(prompts), B, chunk_size,
