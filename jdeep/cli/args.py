@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from ..io.tokenizer import Tokenizer
-from ..platforms import cache_xla_flags
+from .. import compile_cache
 from ..config.presets import PRESET_NAMES
 from ..runtime.buckets import parse_buckets
 from ..runtime.sampling import SamplingParams
@@ -189,17 +189,10 @@ def folder_tokenizer(folder: str) -> Tokenizer | None:
 # ---------------------------------------------------------------------- commands
 
 def setup_compile_cache(args: argparse.Namespace) -> None:
-    """Persistent JAX compilation cache (on by default): compiled programs survive across runs. Call before JAX
-    initialises its backends: XLA:CPU then compiles with target features its cache loader accepts back without an
-    ERROR line per program (jdeep.platforms.cache_xla_flags)."""
-    if getattr(args, "no_compile_cache", True) or os.environ.get("JDEEP_NO_COMPILE_CACHE"):
-        return
-    path = args.compile_cache or os.environ.get("JDEEP_COMPILE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jdeep", "jax")
-    os.makedirs(path, exist_ok=True)
-    os.environ["XLA_FLAGS"] = cache_xla_flags(os.environ.get("XLA_FLAGS", ""))
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    """The persistent JAX compilation cache (on by default; jdeep/compile_cache.py): compiled programs survive across
+    runs. Called before JAX initialises its backends."""
+    if not getattr(args, "no_compile_cache", True):
+        compile_cache.enable(args.compile_cache)
 
 
 def init_distributed(args: argparse.Namespace) -> None:

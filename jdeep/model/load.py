@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from .. import kernels, platforms
+from ..compile_cache import enable as enable_compile_cache
 from ..platforms import device_memory
 from ..arenas import pack_params as pack
 from ..config import ModelConfig
@@ -35,7 +36,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
          fp8_max: float | None = None, packed_kv: bool = False, progress: bool = False,
          compile_mode: str | None = None, host_embedding: bool = False, pack_params: bool | None = None,
          mesh=None, mtp: bool = False, weights: str | None = None, vision_placement: str | None = None,
-         drafter: bool = False) -> Model:
+         drafter: bool = False, compile_cache: bool | str | os.PathLike | None = None) -> Model:
     """Load a DeepSeek-V4 checkpoint folder (HF layout: config.json + safetensors) or a folder written
     by `jdeep convert` (Orbax).
 
@@ -76,9 +77,15 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     device; only the image rows reach the model's device) or "device"; default host on Neuron, else device. It
     becomes `model.vision` (None without a vision_config).
     The folder's tokenizer.json, if any, becomes `model.tokenizer` (text prompts and stop strings).
+    compile_cache: keep compiled programs in JAX's persistent compilation cache, so that the next session's first
+    calls read them instead of compiling: True (the default folder, $JDEEP_COMPILE_CACHE or ~/.cache/jdeep/jax) or
+    a folder; default: leave JAX's setting as it is. Give it to the session's first jdeep.load: on CPU the cache
+    needs an XLA flag set before JAX starts its backend (jdeep/compile_cache.py; later, a warning, and it stays off).
     On Neuron, load also sets the compiler's environment (platform.configure_neuron).
     """
     path = os.fspath(path)
+    if compile_cache:
+        enable_compile_cache(None if compile_cache is True else compile_cache)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint folder at {path}")
     jdtype = as_jax_dtype(dtype)
