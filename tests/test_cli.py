@@ -188,8 +188,9 @@ def test_chat_with_an_image(tmp_path, monkeypatch, capsys):
 
 
 def test_serve_answers_with_the_api_key_and_stops_on_sigterm(tmp_path):
-    """`jdeep serve` in its own process: warmup, /health, 401 without the key (given as $JDEEP_API_KEY, out of the
-    process list), a completion, SIGTERM -> a clean drain and exit status 0."""
+    """`jdeep compile` fills a compilation cache with the serving inventory (first-use variants too); `jdeep serve`
+    with the same flags in its own process reads it back: warmup, /health, 401 without the key (given as
+    $JDEEP_API_KEY, out of the process list), a completion, SIGTERM -> a clean drain and exit status 0."""
     import os
     import signal
     import socket
@@ -203,10 +204,18 @@ def test_serve_answers_with_the_api_key_and_stops_on_sigterm(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "jdeep.cli", "serve", "--model", str(tmp_path / "m"), "--port", str(port),
-           "--max-num-seqs", "1", "--max-len", "32", "--prefill-chunk", "16", "--served-model-name", "one-layer"]
+    shape = ["--model", str(tmp_path / "m"), "--max-num-seqs", "1", "--max-len", "32", "--prefill-chunk", "16",
+             "--compile-cache", str(tmp_path / "cache")]
+    env = {k: v for k, v in os.environ.items() if k not in ("JDEEP_NO_COMPILE_CACHE", "XLA_FLAGS")}
+    compiled = subprocess.run([sys.executable, "-m", "jdeep.cli", "compile", *shape], env=env, capture_output=True,
+                              text=True, timeout=300)
+    assert compiled.returncode == 0, compiled.stderr
+    everything = Engine(jdeep.load(tmp_path / "m"), max_num_seqs=1, max_len=32, prefill_chunk=16).warmup(first_use=True)
+    assert re.search(r"jdeep compile: (\d+) programs compiled", compiled.stdout).group(1) == str(everything)
+    cmd = [sys.executable, "-m", "jdeep.cli", "serve", *shape, "--port", str(port), "--served-model-name", "one-layer"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", JDEEP_API_KEY="k3y"))
+                            env=dict(env, PYTHONUNBUFFERED="1", JDEEP_API_KEY="k3y",
+                                     JAX_DEBUG_LOG_MODULES="jax._src.compiler"))
     base = f"http://127.0.0.1:{port}"
 
     def call(path, body=None, key="k3y"):
@@ -244,4 +253,5 @@ def test_serve_answers_with_the_api_key_and_stops_on_sigterm(tmp_path):
     warmed = re.search(r"jdeep serve: compiled (\d+) programs", err)
     same = Engine(jdeep.load(tmp_path / "m"), max_num_seqs=1, max_len=32, prefill_chunk=16).warmup()
     assert warmed and int(warmed.group(1)) == same        # the server warmed the engine's whole program set
+    assert "Persistent compilation cache hit" in err      # what `jdeep compile` wrote
     assert "Shutting down" in err and "Traceback" not in err

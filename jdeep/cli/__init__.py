@@ -17,9 +17,28 @@ from .args import (BARE, RUNTIME, add_bucket_args, add_graph_args, add_load_args
 from .chat import cmd_chat
 from .commands import cmd_bench, cmd_check_graph, cmd_convert, cmd_demo, cmd_eval, cmd_export, cmd_generate, cmd_info
 from .doctor import add_doctor_parser
-from .serve import cmd_serve
+from .serve import cmd_compile, cmd_serve
 
 __all__ = ["main", "build_parser"]
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    """The serving engine's shape (serve, compile): slots, lengths, buckets, prefix cache, speculation."""
+    p.add_argument("--max-num-seqs", type=int, default=8, help="engine slots (requests decoded together)")
+    p.add_argument("--max-len", type=int, default=4096, help="longest prompt + completion, in tokens")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="longest prefill chunk, in tokens (a power of two)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="token positions one engine iteration may compute: every running request decodes, prompts "
+                        "prefill in what is left, oldest first (default: max-num-seqs + prefill-chunk; smaller "
+                        "lowers the streams' inter-token latency while long prompts prefill, at their TTFT's cost)")
+    add_bucket_args(p)
+    p.add_argument("--prefix-cache-bytes", type=lambda t: "auto" if t.strip() == "auto" else parse_bytes(t),
+                   default="auto",
+                   help="device memory for prefix caching: snapshots of the decode state at 128-token prefix "
+                        "boundaries that later prompts sharing the prefix start from (e.g. 2G; 0: off; default "
+                        "auto: a quarter of the decode state's bytes, at most an eighth of the device's memory; off "
+                        "on a device mesh)")
+    add_speculative_arg(p, "; every request drafts k tokens per iteration")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,22 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint folder's")
     sv.add_argument("--chat-format", choices=sorted(FORMATS),
                     help="chat layout, reasoning and tool-call parser: v4 or v41 (default: the config's model_type)")
-    sv.add_argument("--max-num-seqs", type=int, default=8, help="engine slots (requests decoded together)")
-    sv.add_argument("--max-len", type=int, default=4096, help="longest prompt + completion, in tokens")
-    sv.add_argument("--prefill-chunk", type=int, default=256, help="longest prefill chunk, in tokens (a power of two)")
-    sv.add_argument("--max-num-batched-tokens", type=int,
-                    help="token positions one engine iteration may compute: every running request decodes, prompts "
-                         "prefill in what is left, oldest first (default: max-num-seqs + prefill-chunk; smaller "
-                         "lowers the streams' inter-token latency while long prompts prefill, at their TTFT's cost)")
-    add_bucket_args(sv)
+    _engine_args(sv)
     sv.add_argument("--seed", type=int, default=0, help="base seed of requests sent without one")
-    sv.add_argument("--prefix-cache-bytes", type=lambda t: "auto" if t.strip() == "auto" else parse_bytes(t),
-                    default="auto",
-                    help="device memory for prefix caching: snapshots of the decode state at 128-token prefix "
-                         "boundaries that later prompts sharing the prefix start from (e.g. 2G; 0: off; default "
-                         "auto: a quarter of the decode state's bytes, at most an eighth of the device's memory; off "
-                         "on a device mesh)")
-    add_speculative_arg(sv, "; every request drafts k tokens per iteration")
     sv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="compile every batch-size and prefill-length bucket before serving (default on: no compile "
                          "pauses under traffic)")
@@ -119,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="multi-process: seconds without a heartbeat after which a process counts as dead; process 0 "
                          f"then answers 503 and the others exit (default {PEER_TIMEOUT_S:g})")
     sv.set_defaults(fn=cmd_serve)
+    cp = sub.add_parser("compile", help="compile every program `jdeep serve` with these flags runs (its inventory, the "
+                                        "first-use variants included) into the persistent compilation cache, then exit")
+    cp.add_argument("--model", required=True, help="checkpoint folder (config.json + safetensors [+ tokenizer.json])")
+    _engine_args(cp)
+    add_load_args(cp, quantize_activations=BARE, fp8_max=BARE, packed_kv=BARE)
+    add_process_args(cp)
+    cp.set_defaults(fn=cmd_compile)
 
     b = sub.add_parser("bench", help="prefill/decode speed, latency percentiles, memory and bandwidth roofline")
     bsrc = b.add_mutually_exclusive_group()

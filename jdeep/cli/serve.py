@@ -25,7 +25,7 @@ from ..serve.server import ServerSettings, serve
 from ..speculative.engine import make_engine
 from .args import load_kwargs
 
-__all__ = ["cmd_serve", "engine_settings"]
+__all__ = ["cmd_serve", "cmd_compile", "serving_engine", "engine_settings"]
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -89,30 +89,71 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 1
 
 
-def _compile_progress():
+def _compile_progress(who: str = "jdeep serve"):
     """A warm-up progress line on a terminal: programs compiled of all, and the time left at this pace."""
     def show(done: int, total: int, secs: float) -> None:
         left = secs / done * (total - done)
         end = "\n" if done == total else ""
-        print(f"\rjdeep serve: compiling programs {done}/{total}, about {left:.0f} s left ", end=end, file=sys.stderr,
+        print(f"\r{who}: compiling programs {done}/{total}, about {left:.0f} s left ", end=end, file=sys.stderr,
               flush=True)
     return show
 
 
-def _serve(args: argparse.Namespace, lockstep: Lockstep | None) -> int:
+def _compiled(n: int, total: int, secs: float) -> None:
+    print(f"jdeep serve: compiled {n} programs (every batch and prefill bucket) in {secs:.1f} s; ready", file=sys.stderr,
+          flush=True)
+
+
+def _warmup_report():
+    """on_compiled for a warm-up on the server's engine thread: the progress line on a terminal, then one line
+    when it is done."""
+    bar = _compile_progress() if sys.stderr.isatty() else None
+
+    def report(done: int, total: int, secs: float, finished: bool) -> None:
+        if finished:
+            _compiled(done, total, secs)
+        elif bar is not None:
+            bar(done, total, secs)
+    return report
+
+
+def serving_engine(args: argparse.Namespace) -> Engine:
+    """The engine `jdeep serve` (and `jdeep compile`) builds from its flags: the model loaded, its tokenizer."""
     model = load(args.model, **load_kwargs(args, progress=True, mtp=args.speculative_config is not None))
-    tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else model.tokenizer
-    engine = make_engine(model, args.speculative_config, max_num_seqs=args.max_num_seqs, max_len=args.max_len,
-                         prefill_chunk=args.prefill_chunk, seed=args.seed, tokenizer=tokenizer,
-                         max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache_bytes=args.prefix_cache_bytes,
-                         batch_buckets=args.batch_buckets, chunk_buckets=args.chunk_buckets)
+    tokenizer = Tokenizer(args.tokenizer) if getattr(args, "tokenizer", None) else model.tokenizer
+    return make_engine(model, args.speculative_config, max_num_seqs=args.max_num_seqs, max_len=args.max_len,
+                       prefill_chunk=args.prefill_chunk, seed=getattr(args, "seed", 0), tokenizer=tokenizer,
+                       max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache_bytes=args.prefix_cache_bytes,
+                       batch_buckets=args.batch_buckets, chunk_buckets=args.chunk_buckets)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    """`jdeep compile`: the engine `jdeep serve` with the same flags builds, every program of its inventory compiled
+    (the first-use variants too) and run once, so the persistent compilation cache holds them; then exit. A later
+    `jdeep serve` with these flags reads them back instead of compiling."""
+    if not os.path.isdir(args.model):
+        raise FileNotFoundError(f"--model {args.model} is not a folder")
+    if args.no_compile_cache or os.environ.get("JDEEP_NO_COMPILE_CACHE"):
+        raise ValueError("jdeep compile fills the persistent compilation cache: drop --no-compile-cache "
+                         "($JDEEP_NO_COMPILE_CACHE)")
+    engine = serving_engine(args)
+    t0 = time.perf_counter()
+    n = engine.warmup(first_use=True, progress=_compile_progress("jdeep compile") if sys.stderr.isatty() else None)
+    print(f"jdeep compile: {n} programs compiled in {time.perf_counter() - t0:.1f} s into "
+          f"{jax.config.jax_compilation_cache_dir} ({engine.n_slots} slots, max_len {engine.max_len}, batch buckets "
+          f"{list(engine.scheduler.batch_buckets)}, chunk buckets {list(engine.scheduler.chunk_buckets)})")
+    return 0
+
+
+def _serve(args: argparse.Namespace, lockstep: Lockstep | None) -> int:
+    engine = serving_engine(args)
+    tokenizer = engine.tokenizer
     if lockstep is not None:
         lockstep.handshake(engine_settings(engine, args))
-    if args.warmup:
+    if args.warmup and lockstep is not None:     # every process compiles before the first collective
         t0 = time.perf_counter()
         n = engine.warmup(progress=_compile_progress() if sys.stderr.isatty() else None)
-        print(f"jdeep serve: compiled {n} programs (every batch and prefill bucket) in {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr, flush=True)
+        _compiled(n, n, time.perf_counter() - t0)
     if lockstep is not None and not lockstep.leader:
         follow(engine, lockstep)
         lockstep.close()
@@ -126,7 +167,8 @@ def _serve(args: argparse.Namespace, lockstep: Lockstep | None) -> int:
           file=sys.stderr, flush=True)
     settings = ServerSettings(name, args.api_key, args.max_body_bytes, created, max_waiting=args.max_waiting,
                               request_timeout=args.request_timeout, chat_format=args.chat_format,
-                              read_timeout=args.request_read_timeout)
+                              read_timeout=args.request_read_timeout,
+                              warmup=bool(args.warmup) and lockstep is None, on_compiled=_warmup_report())
     serve(engine, settings, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
           log_level=args.log_level, lockstep=lockstep)
     if lockstep is not None and lockstep.failure is not None:    # (a signal ends the process before this line)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..runtime.engine import Engine
-from ..runtime.requests import Request, RequestError
+from ..runtime.requests import Request
 from ..runtime.sampling import SamplingParams
 from .lockstep import Lockstep, MeshFailure
 from .wire import request_to_wire
@@ -111,15 +111,23 @@ class EngineStats:
     alive: bool = False
     error: str | None = None       # why the engine stopped (a failed mesh)
     restarts: int = 0              # times the engine thread failed outside a step and restarted the engine
+    warming: bool = False          # compiling the engine's programs (`AsyncEngine(warmup=True)`): requests wait
+    compiled: int = 0              # programs of the warm-up's inventory compiled so far
+    total: int = 0                 # programs the warm-up compiles (0: no warm-up on the engine thread)
+    compile_seconds: float = 0.0   # the warm-up's time so far
 
 
 class AsyncEngine:
     """engine = AsyncEngine(Engine(model, ...)); engine.start(); h = engine.submit(ids, params); async for d in h."""
 
     def __init__(self, engine: Engine, on_error: Callable[[BaseException], None] | None = None,
-                 max_waiting: int | None = None, lockstep: Lockstep | None = None):
+                 max_waiting: int | None = None, lockstep: Lockstep | None = None, warmup: bool = False,
+                 on_compiled: Callable[[int, int, float, bool], None] | None = None):
         """max_waiting: how many requests may wait for a slot (None: no limit). lockstep: process 0's side of a
-        multi-process server (its failures end the engine: `fail_mesh`)."""
+        multi-process server (its failures end the engine: `fail_mesh`). warmup: the engine thread first compiles
+        the engine's programs (Engine.warmup; stats.warming, compiled, total, compile_seconds follow it; requests
+        submitted meanwhile wait), on_compiled(done, total, seconds, finished) after each compile (finished False) and
+        once when warm-up is done (True)."""
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
         self.engine = engine
@@ -133,7 +141,8 @@ class AsyncEngine:
         self._n = 0
         self._on_error = on_error
         self.on_step: Callable[[float], None] | None = None    # called (engine thread) with each step's seconds
-        self.stats = EngineStats(slots=engine.n_slots)
+        self.stats = EngineStats(slots=engine.n_slots, warming=warmup)
+        self._on_compiled = on_compiled
         self.lockstep = lockstep
         self._applied: list = []     # commands applied since the last lockstep message (wire form)
         if lockstep is not None:
@@ -222,6 +231,9 @@ class AsyncEngine:
         a bug) fails the requests in flight and restarts the engine with a fresh state (`_restart`), so one bad
         moment never leaves the server without an engine; with a lockstep mesh it fails the mesh instead."""
         try:
+            if self.stats.warming and not self._warmup():
+                self._fail_tracked(self.stats.error)
+                return
             while True:
                 try:
                     self._serve()
@@ -240,6 +252,31 @@ class AsyncEngine:
             raise
         finally:
             self.stats.alive = False
+
+    def _warmup(self) -> bool:
+        """Engine.warmup on the engine thread, its progress in stats; False if it failed (stats.error says why: the
+        thread stops, /health reports it, the requests waiting get the error)."""
+        st, t0 = self.stats, time.perf_counter()
+
+        def progress(done: int, total: int, secs: float) -> None:
+            st.compiled, st.total, st.compile_seconds = done, total, secs
+            if self._on_compiled is not None:
+                self._on_compiled(done, total, secs, False)
+
+        try:
+            n = self.engine.warmup(progress=progress)
+        except Exception as e:          # noqa: BLE001
+            log.exception("the warm-up failed")
+            st.error = f"the warm-up failed: {type(e).__name__}: {e}"
+            return False
+        finally:
+            st.compile_seconds = time.perf_counter() - t0
+            st.warming = False
+        st.total = st.total or n        # (a model on a mesh compiles as warm-up runs it: no progress calls)
+        st.compiled = st.total
+        if self._on_compiled is not None:
+            self._on_compiled(st.compiled, st.total, st.compile_seconds, True)
+        return True
 
     def _fail_tracked(self, message: str) -> None:
         """Every tracked request's caller gets a final error Delta; the requests are forgotten."""

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import threading
 import time
 from collections import deque

@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 from starlette.applications import Starlette
@@ -75,6 +75,8 @@ class ServerSettings:
     request_timeout: float | None = None
     chat_format: str | None = None      # "v4" / "v41" (io/chat); None: from the model's config
     read_timeout: float = DEFAULT_READ_TIMEOUT_S    # seconds for a request's headers, then for its whole body
+    warmup: bool = False                # the engine thread compiles the engine's programs first; /health says "warming"
+    on_compiled: Callable[[int, int, float, bool], None] | None = None   # warm-up progress (AsyncEngine's)
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -146,13 +148,17 @@ class _App:
 
     # ------------------------------------------------------------------ plain routes
     async def health(self, request: Request) -> Response:
-        """200 {"status": "ok", "processes": N, "in_step": true, ...} while serving; 503 with the reason otherwise.
-        A multi-process server adds "by_process": each process's heartbeat age and finished steps."""
+        """200 {"status": "ok", "processes": N, "in_step": true, ...} while serving; 503 with the reason otherwise:
+        {"status": "warming", "compiled": n, "total": N} while the engine thread compiles its programs (requests
+        wait meanwhile), "draining", "engine failed", ... A multi-process server adds "by_process": each process's
+        heartbeat age and finished steps."""
         st = self.engine.stats
-        ok = st.alive and st.error is None and not self.draining
+        ok = st.alive and st.error is None and not self.draining and not st.warming
         failed = "mesh failed" if self.engine.lockstep is not None else "engine failed"
         body: dict[str, Any] = {"status": "ok" if ok else "draining" if self.draining else
-                                failed if st.error else "engine stopped"}
+                                failed if st.error else "warming" if st.warming and st.alive else "engine stopped"}
+        if st.total:
+            body.update(compiled=st.compiled, total=st.total)
         if st.error:
             body["error"] = st.error
         lockstep = self.engine.lockstep
@@ -389,7 +395,8 @@ def make_server(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1
     """A uvicorn Server for the engine: `server.run()` blocks until SIGINT/SIGTERM (or `server.should_exit`).
     lockstep: process 0's side of a multi-process server (serve/lockstep.py)."""
     max_waiting = settings.max_waiting if settings.max_waiting is not None else WAITING_PER_SLOT * engine.n_slots
-    aengine = AsyncEngine(engine, max_waiting=max_waiting, lockstep=lockstep)
+    aengine = AsyncEngine(engine, max_waiting=max_waiting, lockstep=lockstep, warmup=settings.warmup,
+                          on_compiled=settings.on_compiled)
     app = build_app(aengine, settings)
 
     class _Server(uvicorn.Server):

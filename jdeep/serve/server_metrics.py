@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
+from ..model.cache import PROGRAMS
 from .async_engine import AsyncEngine
 from ..runtime.engine import IterationStats
 from .metrics import Counter, CounterFn, Gauge, Histogram, Registry
@@ -45,6 +46,13 @@ class ServerMetrics:
         r.add(Gauge("jdeep_requests_waiting_limit", "Waiting requests beyond which new ones get 429 (-1: no limit)",
                     lambda: -1 if limit is None else limit))
         r.add(Gauge("jdeep_engine_steps_total", "Engine steps run", lambda: st.steps))
+        r.add(Gauge("jdeep_warming", "1 while the engine thread compiles its programs before serving", lambda: int(st.warming)))
+        r.add(Gauge("jdeep_warmup_programs", "Programs the warm-up compiles (the engine's inventory)", lambda: st.total))
+        r.add(Gauge("jdeep_warmup_programs_compiled", "Programs the warm-up has compiled so far", lambda: st.compiled))
+        r.add(Gauge("jdeep_warmup_seconds", "Seconds the warm-up took (so far, while warming)",
+                    lambda: st.compile_seconds))
+        r.add(CounterFn("jdeep_programs_compiled_total", "Executables compiled by jdeep's programs in this process "
+                        "(warm-up's and those compiled on first use: prompt-logprob variants)", PROGRAMS.n_compiled))
         r.add(CounterFn("jdeep_engine_restarts_total", "Times the engine thread failed outside a step and restarted "
                         "the engine (the requests in flight then failed)", lambda: st.restarts))
         lockstep = aengine.lockstep

@@ -5,8 +5,10 @@ ids 0..5 are DeepSeek's chat markers (id i <-> "tok<i>" otherwise)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import json
+import threading
 import time
 import urllib.parse
 from types import SimpleNamespace
@@ -243,3 +245,38 @@ def test_disconnect_frees_the_slot_at_once(srv):
         assert after.get(key, 0) - before.get(key, 0) == 1
     finally:
         engine.step = step
+
+
+def test_health_says_warming_until_the_programs_are_compiled(srv, reference):
+    """ServerSettings(warmup=True): the engine thread compiles first (held here at 1 of 3 programs), /health answers
+    503 "warming" with the counts and /metrics shows them; a request sent meanwhile waits and then gets the same
+    tokens; once warm, /health is 200 and the counts are the inventory's."""
+    engine = Engine(srv.model, max_num_seqs=1, max_len=MAX_LEN, prefill_chunk=16, tokenizer=srv.tok)
+    gate, warm = threading.Event(), engine.warmup
+
+    def held_warmup(progress=None, **kw):
+        progress(1, 3, 0.5)
+        assert gate.wait(120)
+        return warm(progress=progress, **kw)
+
+    engine.warmup = held_warmup
+    with background_server(engine, ServerSettings("v4-tiny", warmup=True)) as (url, server):
+        view = SimpleNamespace(url=url)
+        status, _, body = _raw(view, "GET", "/health", key=None)
+        assert status == 503 and json.loads(body) == {"status": "warming", "compiled": 1, "total": 3,
+                                                      "processes": 1, "in_step": False}
+        m = _metrics(view)
+        assert (m["jdeep_warming"], m["jdeep_warmup_programs_compiled"], m["jdeep_warmup_programs"]) == (1, 1, 3)
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(client.completions.create, model="v4-tiny", prompt=P2, max_tokens=N, temperature=0,
+                               extra_body={"return_token_ids": True})
+            time.sleep(0.5)
+            assert not sent.done()                   # waiting for the warm-up
+            gate.set()
+            assert sent.result().choices[0].token_ids == reference[1]
+        status, _, body = _raw(view, "GET", "/health", key=None)
+        health, m = json.loads(body), _metrics(view)
+        assert status == 200 and health["status"] == "ok" and health["compiled"] == health["total"] > 3
+        assert (m["jdeep_warming"], m["jdeep_warmup_programs"]) == (0, health["total"])
+        assert m["jdeep_programs_compiled_total"] >= health["total"]
