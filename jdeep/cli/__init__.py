@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--peer-timeout", type=float, default=PEER_TIMEOUT_S,
                     help="multi-process: seconds without a heartbeat after which a process counts as dead; process 0 "
                          f"then answers 503 and the others exit (default {PEER_TIMEOUT_S:g})")
+    sv.add_argument("--warmup-timeout", type=float, default=3600.0,
+                    help="multi-process: seconds a process that finished compiling waits for the others before the "
+                         "first collective (default 3600; a process slower to compile never times out another's "
+                         "collective)")
     sv.set_defaults(fn=cmd_serve)
     cp = sub.add_parser("compile", help="compile every program `jdeep serve` with these flags runs (its inventory, the "
                                         "first-use variants included) into the persistent compilation cache, then exit")

@@ -45,6 +45,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     if jax.process_count() > 1 and args.mesh is None:
         raise ValueError(f"a server of {jax.process_count()} processes needs --mesh over the devices of all of them "
                          f"({jax.device_count()} here), e.g. --mesh expert={jax.device_count()}")
+    if not args.warmup_timeout > 0:
+        raise ValueError(f"--warmup-timeout must be a positive number of seconds, got {args.warmup_timeout}")
     if not args.peer_timeout > 0:
         raise ValueError(f"--peer-timeout must be a positive number of seconds, got {args.peer_timeout}")
 
@@ -150,9 +152,10 @@ def _serve(args: argparse.Namespace, lockstep: Lockstep | None) -> int:
     tokenizer = engine.tokenizer
     if lockstep is not None:
         lockstep.handshake(engine_settings(engine, args))
-    if args.warmup and lockstep is not None:     # every process compiles before the first collective
+    if args.warmup and lockstep is not None:     # every process compiles, then they meet, then the first collective
         t0 = time.perf_counter()
-        n = engine.warmup(progress=_compile_progress() if sys.stderr.isatty() else None)
+        n = engine.warmup(progress=_compile_progress() if sys.stderr.isatty() else None,
+                          before_run=lambda: lockstep.meet("warmup", args.warmup_timeout))
         _compiled(n, n, time.perf_counter() - t0)
     if lockstep is not None and not lockstep.leader:
         follow(engine, lockstep)

@@ -244,11 +244,12 @@ class Engine:
         logprobs need; prompt_logprobs=False leaves them out)."""
         return self.runner.programs(self.max_len, prompt_logprobs)
 
-    def warmup(self, first_use: bool = False, workers: int | None = None, progress=None) -> int:
+    def warmup(self, first_use: bool = False, workers: int | None = None, progress=None, before_run=None) -> int:
         """Compile every program of `programs` before the first request, side by side on `workers` threads (default:
         the CPU count), then run each once (Runner.warmup); with first_use also those otherwise compiled on first
-        use; returns how many ran. progress(done, total, seconds): called as the compiles finish."""
-        return self.runner.warmup(self.max_len, first_use, workers, progress)
+        use; returns how many ran. progress(done, total, seconds): called as the compiles finish; before_run(): once
+        everything is compiled, before anything runs (a multi-process server's barrier)."""
+        return self.runner.warmup(self.max_len, first_use, workers, progress, before_run)
 
     def run(self, on_finish: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:
         """Step until every queued request has finished; returns all outputs by request id."""

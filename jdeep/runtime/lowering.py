@@ -25,7 +25,8 @@ from ..model.regions import regions_step
 from ..model.spec import ModelSpec
 from .inventory import ProgramSpec, abstract_program
 
-__all__ = ["Program", "step_inputs", "step_programs", "inventory_programs", "abstract_tree", "placed"]
+__all__ = ["Program", "step_inputs", "step_programs", "inventory_programs", "abstract_tree", "sharded_tree",
+           "placed"]
 
 DRAFTER_KINDS = ("drafter", "spec.decode", "spec.prefill")
 
@@ -48,10 +49,17 @@ def abstract_tree(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
+def sharded_tree(tree: Any) -> Any:
+    """Live arrays as jax.ShapeDtypeStruct leaves that keep each array's sharding (a model on a device mesh)."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
 def placed(tree: Any, sharding) -> Any:
-    """Every jax.ShapeDtypeStruct leaf of `tree` with `sharding` (a live call's arguments: on one device, every input
-    committed or not runs as if placed there)."""
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+    """Every jax.ShapeDtypeStruct leaf of `tree` with `sharding` unless it has one (sharded_tree's) — a live call's
+    arguments: on one device, every input committed or not runs as if placed there; on a mesh, what Model.put
+    places is replicated."""
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None) or sharding), tree)
 
 
 def step_inputs(t: ModelSpec, B: int, S: int, max_len: int) -> tuple:

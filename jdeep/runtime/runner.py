@@ -20,7 +20,7 @@ from jax.sharding import SingleDeviceSharding
 
 from ..model.model import Model
 from .inventory import ProgramSpec, serving_programs
-from .lowering import Program, abstract_tree, inventory_programs, placed
+from .lowering import Program, abstract_tree, inventory_programs, placed, sharded_tree
 from .prefix_snapshot import snapshot_prefills, snapshot_sizes
 from .scheduler import Iteration, Scheduler, Window
 from .slot_pool import SlotPool
@@ -123,10 +123,14 @@ class Runner:
 
     def lowered(self, specs: list[ProgramSpec], drafter_programs=None) -> list[Program]:
         """The programs the entries `specs` run, with the live parameters', state's and inputs' shapes and placement
-        (lowering.inventory_programs): what warmup.precompile compiles. Empty on a device mesh."""
+        (lowering.inventory_programs): what warmup.precompile compiles. On a device mesh the parameters and the state
+        keep their shardings and the other inputs are replicated (Model.put)."""
         model, pool = self.model, self.pool
         if model.layout is not None:
-            return []
+            programs = inventory_programs(model.spec, specs, pool.n_slots, pool.cache_len,
+                                          drafter_programs=drafter_programs, params=sharded_tree(model.params),
+                                          state=sharded_tree(pool.state))
+            return [dataclasses.replace(p, args=placed(p.args, model.layout.replicated)) for p in programs]
         programs = inventory_programs(model.spec, specs, pool.n_slots, pool.cache_len,
                                       drafter_programs=drafter_programs, params=abstract_tree(model.params),
                                       state=abstract_tree(pool.state))
@@ -135,9 +139,11 @@ class Runner:
         return [dataclasses.replace(p, args=placed(p.args, sampler if p.bucket["step"] in SAMPLER_KINDS else device))
                 for p in programs]
 
-    def warmup(self, max_len: int, first_use: bool = False, workers: int | None = None, progress=None) -> int:
+    def warmup(self, max_len: int, first_use: bool = False, workers: int | None = None, progress=None,
+               before_run=None) -> int:
         """Compile, then run, every entry of `programs` once (warmup.warm_programs; with first_use also those
         otherwise compiled on first use); returns the number of compiled programs they hold. workers, progress: the
-        compile's threads and progress callback (warmup.precompile)."""
+        compile's threads and progress callback (warmup.precompile); before_run: called between compiling and
+        running."""
         return warm_programs(self, [s for s in self.programs(max_len) if first_use or not s.first_use], workers,
-                             progress)
+                             progress, before_run)

@@ -50,7 +50,7 @@ def precompile(runner, specs: Sequence[ProgramSpec], workers: int | None = None,
     parameters' and state's shapes, placed as its calls place them) without running any, on `workers` threads
     (default: the CPU count; XLA compiles release the GIL, so compiles run side by side). progress(done, total,
     seconds so far) is called after each. The programs then run from JAX's caches: warm-up executes them without
-    compiling. A model on a device mesh compiles as it runs (nothing is precompiled)."""
+    compiling. On a device mesh too (the parameters and the state keep their shardings)."""
     out, t0 = Precompiled(), time.perf_counter()
     programs = runner.lowered(specs)
     if not programs:
@@ -75,11 +75,15 @@ def precompile(runner, specs: Sequence[ProgramSpec], workers: int | None = None,
 
 
 def warm_programs(runner, specs: Sequence[ProgramSpec], workers: int | None = None,
-                  progress: Callable[[int, int, float], None] | None = None) -> int:
+                  progress: Callable[[int, int, float], None] | None = None,
+                  before_run: Callable[[], None] | None = None) -> int:
     """Compile every program of `specs` ahead of running (`precompile`: in parallel; runner.precompiled records what
-    it did), then run each entry once through runner.warm (in order: later entries use earlier ones' outputs);
+    it did), call before_run() (a multi-process server's barrier: every process has compiled before the first
+    collective), then run each entry once through runner.warm (in order: later entries use earlier ones' outputs);
     returns the number of compiled programs they hold (inventory.total_programs)."""
     runner.precompiled = precompile(runner, specs, workers, progress)
+    if before_run is not None:
+        before_run()
     counts, pool = dict(runner.steps_per_bucket), runner.pool
     pen = pool.penalties
     kept, pen.state = pen.state, pen.fresh()

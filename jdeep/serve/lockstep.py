@@ -254,6 +254,15 @@ class Lockstep:
             raise ValueError("every process of a multi-process server needs the same model and engine flags; "
                              + "; ".join(diff))
 
+    def meet(self, name: str, timeout: float = 3600.0) -> None:
+        """A barrier through the coordination service, not a collective: every process waits here until all have
+        arrived (a process that compiles longer makes the others wait, with heartbeats, instead of timing out a
+        collective). MeshFailure when a process dies on the way or `timeout` seconds pass."""
+        self.store.set(self._key("meet", name, self.process_id), "here")
+        for pid in range(self.n_processes):
+            if pid != self.process_id:
+                self._wait(self._key("meet", name, pid), timeout)
+
     def _wait(self, key: str, timeout: float) -> str:
         """A store value, waiting up to `timeout` seconds while the heartbeats say the mesh is alive."""
         end = time.monotonic() + timeout

@@ -290,3 +290,31 @@ def _post(url: str, prompt: list[int]):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def test_meet_waits_for_the_slowest_process_and_fails_if_it_dies():
+    """The warm-up barrier (through the store, not a collective): process 0 waits while process 1 is still compiling
+    (here: 1 s late), and a process that stops beating while the other waits fails the mesh."""
+    store = MemoryStore()
+    leader, follower = _pair(store)
+    arrived = []
+
+    def late():
+        time.sleep(1.0)
+        follower.meet("warmup")
+        arrived.append(time.monotonic())
+
+    t = threading.Thread(target=late)
+    t0 = time.monotonic()
+    t.start()
+    leader.meet("warmup")
+    assert time.monotonic() - t0 >= 1.0
+    t.join(10)
+    assert arrived
+    leader, follower = _pair(MemoryStore(), peer_timeout=0.5)
+    leader.start()                               # beats, watches; its peer never beats: the mesh fails
+    try:
+        with pytest.raises(MeshFailure, match="process 1"):
+            leader.meet("warmup", timeout=30)
+    finally:
+        leader.stop()

@@ -1,5 +1,6 @@
 """`jdeep serve` as a 2-process multi-controller program (2 x 4 CPU devices, mesh data=2,expert=4, jax.distributed on
-localhost, gloo collectives): concurrent streaming requests get the tokens of a single-process server on the same
+localhost, gloo collectives), warmed up as deployed (every process compiles its inventory, then they meet):
+concurrent streaming requests get the tokens of a single-process server on the same
 model; killing process 1 makes process 0 answer 503 within seconds; SIGTERM to process 0 stops both cleanly."""
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Deployment:
         self.logs = [open(tmp / f"process{i}.err", "w+") for i in range(2)]
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", "jdeep.cli", "serve", "--model", str(model_dir), "--mesh", "data=2,expert=4",
-             *ENGINE, "--no-warmup", "--port", str(self.port), "--peer-timeout", str(PEER_TIMEOUT),
+             *ENGINE, "--port", str(self.port), "--peer-timeout", str(PEER_TIMEOUT),
              "--served-model-name", "m", "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
              "--process-id", str(i)], env=env, stdout=subprocess.DEVNULL, stderr=self.logs[i]) for i in range(2)]
         self.url = f"http://127.0.0.1:{self.port}"
