@@ -5,6 +5,11 @@ XLA:CPU needs its code generation capped at AVX2 on AVX-512 hosts for its cache 
 without an ERROR line each (platforms.cache_xla_flags); that flag only takes effect if it is set before JAX
 initialises its backends, so `enable` refuses (with a warning naming the fix) to turn the cache on afterwards where
 the flag would be missing.
+
+The folder holds one subfolder per jdeep source (`jdeep-<digest>`, model/executables.source_digest): JAX's cache and
+jdeep's executable store (model/executables.py) inside it start empty for another jdeep, so the store only ever
+receives executables compiled afresh (one JAX read back from its cache cannot be serialized again whole). Folders
+of other versions are left alone (delete them to reclaim the space).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import warnings
 import jax
 from jax._src import xla_bridge
 
+from .model.executables import source_digest
 from .platforms import CACHE_MAX_ISA_FLAG, cache_xla_flags
 
 __all__ = ["default_path", "enable", "MIN_COMPILE_SECONDS"]
@@ -30,7 +36,8 @@ def default_path() -> str:
 
 
 def enable(path: str | os.PathLike | None = None) -> str | None:
-    """Turn the persistent compilation cache on at `path` (default: default_path()); returns the folder, or None
+    """Turn the persistent compilation cache on at `path` (default: default_path()); returns the folder JAX writes
+    (this jdeep's subfolder of it), or None
     when it stays off: $JDEEP_NO_COMPILE_CACHE is set, or JAX's CPU backend already started without the flag its
     cache loader needs (a warning says to enable the cache first)."""
     if os.environ.get("JDEEP_NO_COMPILE_CACHE"):
@@ -46,7 +53,8 @@ def enable(path: str | os.PathLike | None = None) -> str | None:
     else:
         os.environ["XLA_FLAGS"] = flags
     folder = os.fspath(path) if path is not None else default_path()
-    os.makedirs(folder, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", folder)
+    versioned = os.path.join(folder, f"jdeep-{source_digest()[:16]}")
+    os.makedirs(versioned, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", versioned)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     return folder

@@ -1,18 +1,96 @@
 """The compiled-program cache: every jitted step and region program jdeep builds, keyed by what it depends on
 (architecture, numerics, logits mode, batch-size bucket, mesh layout), so that every Model with the same key
-reuses one program. `PROGRAMS.clear()` drops them all (with jax.clear_caches(), their executables too)."""
+reuses one program. `PROGRAMS.clear()` drops them all (with jax.clear_caches(), their executables too).
+
+Each jitted program is held as a `CachedProgram`: the jitted function, plus the executables warm-up installed for
+it (runtime/warmup.precompile: compiled ahead of running, or read back from the executable store,
+model/executables.py, without tracing); a call whose arguments match an installed executable runs it, any other
+call goes through jax.jit as usual."""
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterator
+import dataclasses
+from typing import Any, Callable, Hashable, Iterator
 
 import jax
 
-__all__ = ["ProgramCache", "PROGRAMS"]
+__all__ = ["ProgramCache", "PROGRAMS", "CachedProgram", "call_key", "stable_name"]
+
+
+def _arg_key(a: Any) -> Hashable:
+    """What tells one argument's programs apart cheaply: an array's shape and dtype, a tree's leaf shapes (dtypes and
+    structure are checked by the executable itself: it refuses other arguments with a TypeError)."""
+    if a is None:
+        return None
+    shape = getattr(a, "shape", None)
+    if shape is not None and not isinstance(a, (dict, tuple, list)):
+        return tuple(shape), str(a.dtype)
+    return tuple(tuple(getattr(leaf, "shape", ())) for leaf in jax.tree_util.tree_leaves(a))
+
+
+def call_key(args: tuple, kwargs: dict) -> Hashable:
+    """The installed-executable key of a call: per positional argument _arg_key, keyword arguments by value (they are
+    the static ones) unless they are arrays."""
+    return (tuple(_arg_key(a) for a in args),
+            tuple(sorted((k, _arg_key(v) if hasattr(v, "shape") else v) for k, v in kwargs.items())))
+
+
+class CachedProgram:
+    """A jitted function and the executables installed for it (by call_key). Calls with installed arguments run the
+    executable (no tracing); others, and any the executable refuses (a TypeError before it runs: other shapes, or
+    tracers), run through jax.jit. Everything else (lower, trace, ...) is the jitted function's."""
+
+    __slots__ = ("jitted", "ident", "executables")
+
+    def __init__(self, jitted: Callable, ident: str | None):
+        self.jitted, self.ident, self.executables = jitted, ident, {}
+
+    def __call__(self, *args, **kwargs):
+        if self.executables:
+            exe = self.executables.get(call_key(args, kwargs))
+            if exe is not None:
+                try:
+                    return exe(*args)
+                except TypeError:        # not its signature after all (checked before it runs: nothing donated)
+                    pass
+        return self.jitted(*args, **kwargs)
+
+    def install(self, key: Hashable, executable: Any) -> None:
+        self.executables[key] = executable
+
+    def _cache_size(self) -> int:
+        return self.jitted._cache_size() + len(self.executables)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.jitted, name)
+
+    def __repr__(self) -> str:
+        return f"CachedProgram({self.ident or self.jitted!r}, {len(self.executables)} installed)"
+
+
+def stable_name(key: Any) -> str | None:
+    """The cache key as text that names the same program in every process (functions by module and qualified name),
+    or None when it cannot (a closure, a lambda, an object printed with its address): such a program is never read
+    from the executable store."""
+    def text(k: Any) -> str:
+        if isinstance(k, tuple):
+            return "(" + ",".join(text(x) for x in k) + ")"
+        if callable(k) and hasattr(k, "__qualname__") and not dataclasses.is_dataclass(k):
+            if "<locals>" in k.__qualname__ or "<lambda>" in k.__qualname__:
+                raise ValueError
+            return f"{k.__module__}.{k.__qualname__}"
+        return repr(k)
+
+    try:
+        out = text(key)
+    except ValueError:
+        return None
+    return None if " at 0x" in out else out
 
 
 class ProgramCache:
-    """programs.get(key, make) -> the program under `key`, built by `make()` on first use."""
+    """programs.get(key, make) -> the program under `key`, built by `make()` on first use (a jitted one held as a
+    CachedProgram)."""
 
     def __init__(self):
         self._programs: dict[Hashable, Callable] = {}
@@ -20,7 +98,10 @@ class ProgramCache:
     def get(self, key: Hashable, make: Callable[[], Callable]) -> Callable:
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = make()
+            program = make()
+            if hasattr(program, "lower") and hasattr(program, "_cache_size"):      # a jitted function
+                program = CachedProgram(program, stable_name(key))
+            self._programs[key] = program
         return program
 
     def keyed(self, name: str, spec: Hashable, make: Callable[[], Callable], **options) -> Callable:
@@ -34,7 +115,7 @@ class ProgramCache:
         return self.get(key, lambda: jax.jit(fn, **jit_kwargs))
 
     def n_compiled(self) -> int:
-        """Executables compiled so far by the cached jitted programs (all shapes)."""
+        """Executables compiled (or installed) so far for the cached jitted programs (all shapes)."""
         return sum(p._cache_size() for p in self._programs.values() if hasattr(p, "_cache_size"))
 
     def items(self) -> Iterator[tuple[Hashable, Callable]]:

@@ -8,6 +8,7 @@ drafter's state, the Engram history or the requests changes; the penalty pool's 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -16,6 +17,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..model.cache import CachedProgram, call_key
+from ..model.executables import ExecutableStore
 from .inventory import ProgramSpec, total_programs
 from .sampling import SamplingParams, host_batch
 from .scheduler import Window
@@ -49,15 +52,24 @@ def precompile(runner, specs: Sequence[ProgramSpec], workers: int | None = None,
     """Lower and compile every program of `specs` (Runner.lowered: the programs the runner calls, over the live
     parameters' and state's shapes, placed as its calls place them) without running any, on `workers` threads
     (default: the CPU count; XLA compiles release the GIL, so compiles run side by side). progress(done, total,
-    seconds so far) is called after each. The programs then run from JAX's caches: warm-up executes them without
-    compiling. On a device mesh too (the parameters and the state keep their shardings)."""
+    seconds so far) is called after each. The programs then run without compiling: each executable is installed
+    in its CachedProgram (model/cache.py), and with the persistent compilation cache on, read from the executable
+    store (model/executables.py: no tracing, no lowering) or written there after compiling. On a device mesh too
+    (the parameters and the state keep their shardings; no store there: JAX's cache)."""
     out, t0 = Precompiled(), time.perf_counter()
     programs = runner.lowered(specs)
     if not programs:
         return out
+    store = ExecutableStore.from_compile_cache() if runner.model.layout is None else None
 
     def build(prog):
-        prog.lower().compile()
+        fn, static = (prog.fn.func, prog.fn.keywords) if isinstance(prog.fn, functools.partial) else (prog.fn, {})
+        if store is None or not isinstance(fn, CachedProgram) or fn.ident is None:
+            prog.lower().compile()
+            return prog
+        name = f"{fn.ident}{sorted(static.items())!r}"
+        exe = store.load(name, prog.args) or store.compile(name, prog.args, prog.lower)
+        fn.install(call_key(prog.args, static), exe)
         return prog
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
