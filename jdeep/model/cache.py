@@ -13,6 +13,9 @@ import dataclasses
 from typing import Any, Callable, Hashable, Iterator
 
 import jax
+import numpy as np
+
+from .executables import ExecutableStore
 
 __all__ = ["ProgramCache", "PROGRAMS", "CachedProgram", "call_key", "stable_name"]
 
@@ -35,25 +38,63 @@ def call_key(args: tuple, kwargs: dict) -> Hashable:
             tuple(sorted((k, _arg_key(v) if hasattr(v, "shape") else v) for k, v in kwargs.items())))
 
 
+def _abstract(a: Any) -> Any:
+    """A call's argument leaf as the jax.ShapeDtypeStruct it is compiled for (None: one the store does not take)."""
+    if isinstance(a, jax.core.Tracer):
+        return None
+    if isinstance(a, jax.Array):
+        if len(a.sharding.device_set) > 1:     # a mesh: JAX's own cache
+            return None
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.weak_type)
+    if isinstance(a, (np.ndarray, np.generic)):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype)
+    return None
+
+
 class CachedProgram:
     """A jitted function and the executables installed for it (by call_key). Calls with installed arguments run the
     executable (no tracing); others, and any the executable refuses (a TypeError before it runs: other shapes, or
-    tracers), run through jax.jit. Everything else (lower, trace, ...) is the jitted function's."""
+    tracers), run through jax.jit. Everything else (lower, trace, ...) is the jitted function's.
 
-    __slots__ = ("jitted", "ident", "executables")
+    With the executable store on (model/executables.py, in the persistent compilation cache's folder), the first call
+    with new arguments (on one device, all of them arrays) reads its executable from the store, or compiles it there
+    when tracing, lowering and compiling it took at least the cache's minimum compile time (the persistent cache's
+    rule), and installs it: a later process calling the same program skips the trace."""
+
+    __slots__ = ("jitted", "ident", "executables", "_unstored", "__weakref__")   # (jax.eval_shape keeps weakrefs)
 
     def __init__(self, jitted: Callable, ident: str | None):
-        self.jitted, self.ident, self.executables = jitted, ident, {}
+        self.jitted, self.ident, self.executables, self._unstored = jitted, ident, {}, set()
 
     def __call__(self, *args, **kwargs):
-        if self.executables:
-            exe = self.executables.get(call_key(args, kwargs))
+        if self.executables or (self.ident is not None and jax.config.jax_compilation_cache_dir):
+            key = call_key(args, kwargs)
+            exe = self.executables.get(key)
+            if exe is None and self.ident is not None and key not in self._unstored:
+                exe = self._from_store(key, args, kwargs)
             if exe is not None:
                 try:
                     return exe(*args)
                 except TypeError:        # not its signature after all (checked before it runs: nothing donated)
                     pass
         return self.jitted(*args, **kwargs)
+
+    def _from_store(self, key: Hashable, args: tuple, kwargs: dict) -> Any:
+        store = ExecutableStore.from_compile_cache()
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        abstract = [_abstract(a) for a in leaves]
+        if store is None or any(a is None for a in abstract) or any(hasattr(v, "shape") for v in kwargs.values()):
+            if not any(isinstance(a, jax.core.Tracer) for a in leaves):
+                self._unstored.add(key)          # (a traced call says nothing about a concrete one)
+            return None
+        abstract = jax.tree_util.tree_unflatten(tree, abstract)
+        name = f"{self.ident}{sorted(kwargs.items())!r}"
+        exe = store.load(name, abstract)
+        if exe is None:
+            exe = store.compile(name, abstract, lambda: self.jitted.lower(*abstract, **kwargs),
+                                min_seconds=jax.config.jax_persistent_cache_min_compile_time_secs)
+        self.install(key, exe)
+        return exe
 
     def install(self, key: Hashable, executable: Any) -> None:
         self.executables[key] = executable

@@ -10,7 +10,7 @@ variable, and the JAX flags that change traced values. Any change there names an
 persistent compilation cache's folder (`jdeep-executables/`); it is on where that cache is on (compile_cache.py) and
 for programs on one device (a device mesh compiles through JAX's cache).
 
-Files are written whole (a temporary file renamed into place) and a file that cannot be read is ignored and written
+Files (zlib-compressed: a CPU executable shrinks about sixfold) are written whole (a temporary file renamed into place) and a file that cannot be read is ignored and written
 again. Only executables this process compiled are written: one JAX read back from its own persistent cache (the same
 program under another name, or one compiled by a process without the store) does not serialize whole (running it
 after a reload fails with "Function ... not found"), so `compile` tells the two apart (JAX's cache-hit event, in the
@@ -24,6 +24,8 @@ import os
 import pathlib
 import pickle
 import threading
+import time
+import zlib
 from typing import Any
 
 import jax
@@ -94,18 +96,19 @@ class ExecutableStore:
         there is none (or it cannot be read)."""
         path = self.path(name, args)
         try:
-            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            payload, in_tree, out_tree = pickle.loads(zlib.decompress(path.read_bytes()))
             return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
         except FileNotFoundError:
             return None
         except Exception:                # noqa: BLE001 (a torn or foreign file: compile again and overwrite it)
             return None
 
-    def compile(self, name: str, args: tuple, lower) -> Any:
-        """lower().compile(), written to the store unless JAX read it from its persistent cache."""
-        before = getattr(_hits, "n", 0)
+    def compile(self, name: str, args: tuple, lower, min_seconds: float = 0.0) -> Any:
+        """lower().compile(), written to the store unless JAX read it from its persistent cache or it took less than
+        min_seconds (tracing, lowering and compiling)."""
+        before, t0 = getattr(_hits, "n", 0), time.perf_counter()
         compiled = lower().compile()
-        if getattr(_hits, "n", 0) == before:
+        if getattr(_hits, "n", 0) == before and time.perf_counter() - t0 >= min_seconds:
             self.save(name, args, compiled)
         return compiled
 
@@ -113,7 +116,7 @@ class ExecutableStore:
         """Write the executable (quietly skipped if it cannot be serialized or written: it is only a cache)."""
         path = self.path(name, args)
         try:
-            blob = pickle.dumps(serialize_executable.serialize(compiled))
+            blob = zlib.compress(pickle.dumps(serialize_executable.serialize(compiled)), 1)
             self.folder.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_bytes(blob)
