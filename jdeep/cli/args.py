@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from ..io.tokenizer import Tokenizer
-from .. import compile_cache
+from ..model import compile_cache
 from ..config.presets import PRESET_NAMES
 from ..runtime.buckets import parse_buckets
 from ..runtime.sampling import SamplingParams
@@ -189,7 +189,7 @@ def folder_tokenizer(folder: str) -> Tokenizer | None:
 # ---------------------------------------------------------------------- commands
 
 def setup_compile_cache(args: argparse.Namespace) -> None:
-    """The persistent JAX compilation cache (on by default; jdeep/compile_cache.py): compiled programs survive across
+    """The persistent JAX compilation cache (on by default; jdeep/model/compile_cache.py): compiled programs survive across
     runs. Called before JAX initialises its backends."""
     if not getattr(args, "no_compile_cache", True):
         compile_cache.enable(args.compile_cache)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import pathlib
 import pickle
@@ -35,6 +36,7 @@ from jax.experimental import serialize_executable
 __all__ = ["ExecutableStore", "source_digest"]
 
 FOLDER = "jdeep-executables"
+log = logging.getLogger(__name__)       # DEBUG: each read and write (JAX_DEBUG_LOG_MODULES=jdeep.model.executables)
 _TRACE_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_rank_promotion", "jax_default_prng_impl")
 
 
@@ -97,7 +99,9 @@ class ExecutableStore:
         path = self.path(name, args)
         try:
             payload, in_tree, out_tree = pickle.loads(zlib.decompress(path.read_bytes()))
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            exe = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            log.debug("read %s from the executable store (%s)", name[:80], path.name)
+            return exe
         except FileNotFoundError:
             return None
         except Exception:                # noqa: BLE001 (a torn or foreign file: compile again and overwrite it)
@@ -121,5 +125,6 @@ class ExecutableStore:
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_bytes(blob)
             os.replace(tmp, path)
+            log.debug("wrote %s to the executable store (%s)", name[:80], path.name)
         except Exception:                # noqa: BLE001
             pass

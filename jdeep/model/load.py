@@ -13,7 +13,6 @@ from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from .. import kernels, platforms
-from ..compile_cache import enable as enable_compile_cache
 from ..platforms import device_memory
 from ..arenas import pack_params as pack
 from ..config import ModelConfig
@@ -25,6 +24,7 @@ from ..numerics import Numerics
 from ..param_spec import abstract_params, padded_experts
 from ..plan import build_plan
 from ..sharding import Layout, make_mesh
+from .compile_cache import enable as enable_compile_cache
 from .model import Model, as_jax_dtype
 from .vision import PLACEMENTS, VisionTower
 from .weights import WEIGHT_FORMATS, decode_weights, resident_bytes, to_cpu_bf16
@@ -80,7 +80,7 @@ def load(path: str | os.PathLike, dtype: str = "float32", quantize_activations: 
     compile_cache: keep compiled programs in JAX's persistent compilation cache, so that the next session's first
     calls read them instead of compiling: True (the default folder, $JDEEP_COMPILE_CACHE or ~/.cache/jdeep/jax) or
     a folder; default: leave JAX's setting as it is. Give it to the session's first jdeep.load: on CPU the cache
-    needs an XLA flag set before JAX starts its backend (jdeep/compile_cache.py; later, a warning, and it stays off).
+    needs an XLA flag set before JAX starts its backend (jdeep/model/compile_cache.py; later, a warning, and it stays off).
     On Neuron, load also sets the compiler's environment (platform.configure_neuron).
     """
     path = os.fspath(path)

@@ -32,37 +32,13 @@ from typing import Callable, Sequence
 from ..runtime.engine import Engine
 from ..runtime.requests import Request
 from ..runtime.sampling import SamplingParams
+from .handles import Delta, QueueFull, RequestHandle
 from .lockstep import Lockstep, MeshFailure
 from .wire import request_to_wire
 
 __all__ = ["AsyncEngine", "Delta", "RequestHandle", "QueueFull"]
 
 log = logging.getLogger("jdeep.serve")
-
-
-@dataclass
-class Delta:
-    """What one engine step gave a request: its new tokens, the text they completed (given a tokenizer), and
-    whether it has finished. time: time.monotonic() when the step ended."""
-
-    request_id: str
-    tokens: list[int]
-    finished: bool = False
-    finish_reason: str | None = None    # "stop", "length", "abort", "error" or "timeout"
-    error: str | None = None
-    time: float = 0.0
-    text: str = ""
-    logprobs: list | None = None          # the new tokens' (id, logprob, top) when the request asked for them
-    prompt_logprobs: list | None = None   # with a request's first Delta, when it asked for them
-
-
-class QueueFull(RuntimeError):
-    """submit refused: the requests would take the number waiting for a slot past `limit`."""
-
-    def __init__(self, waiting: int, asked: int, limit: int):
-        super().__init__(f"{waiting} requests are waiting for a slot (the limit is {limit}); "
-                         f"{asked} more cannot be queued now")
-        self.waiting, self.asked, self.limit = waiting, asked, limit
 
 
 @dataclass
@@ -74,30 +50,6 @@ class _Tracked:
     sent_text: int = 0     # characters of the text already handed over
     deadline: float | None = None    # time.monotonic() after which the request is finished with "timeout"
     timeout: float | None = None
-
-
-class RequestHandle:
-    """A submitted request: `async for delta in handle` until delta.finished; `abort()` ends it early."""
-
-    def __init__(self, engine: "AsyncEngine", request_id: str, queue: asyncio.Queue):
-        self.engine, self.request_id, self.queue = engine, request_id, queue
-        self.finished = False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> Delta:
-        if self.finished:
-            raise StopAsyncIteration
-        d = await self.queue.get()
-        self.finished = d.finished
-        return d
-
-    def abort(self) -> None:
-        """End the request (no-op once finished): its slot is free after the engine's current step."""
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
 
 
 @dataclass

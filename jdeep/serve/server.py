@@ -40,7 +40,8 @@ from ..runtime.engine import Engine
 from ..runtime.images import expand_image_prompt
 from ..runtime.requests import RequestError
 from ..vision.processor import ImageError, data_url_bytes
-from .async_engine import AsyncEngine, QueueFull, RequestHandle
+from .async_engine import AsyncEngine
+from .handles import QueueFull, RequestHandle
 from .chat_protocol import parse_chat
 from .connections import ReadDeadline, RequestBodyTimeout, h11_with_header_timeout
 from .lockstep import Lockstep

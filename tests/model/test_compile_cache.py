@@ -1,4 +1,4 @@
-"""jdeep.load(..., compile_cache=...): the persistent compilation cache in a notebook (jdeep/compile_cache.py)."""
+"""jdeep.load(..., compile_cache=...): the persistent compilation cache in a notebook (jdeep/model/compile_cache.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jdeep import compile_cache
+from jdeep.model import compile_cache
 from jdeep.config.small_models import TINY_CONFIG
 from jdeep.platforms import CACHE_MAX_ISA_FLAG
 from jdeep.tools.testing.random_weights import random_checkpoint

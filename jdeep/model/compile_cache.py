@@ -20,8 +20,8 @@ import warnings
 import jax
 from jax._src import xla_bridge
 
-from .model.executables import source_digest
-from .platforms import CACHE_MAX_ISA_FLAG, cache_xla_flags
+from ..platforms import CACHE_MAX_ISA_FLAG, cache_xla_flags
+from .executables import source_digest
 
 __all__ = ["default_path", "enable", "MIN_COMPILE_SECONDS"]
 
