@@ -87,12 +87,26 @@ class CachedProgram:
             if not any(isinstance(a, jax.core.Tracer) for a in leaves):
                 self._unstored.add(key)          # (a traced call says nothing about a concrete one)
             return None
-        abstract = jax.tree_util.tree_unflatten(tree, abstract)
-        name = f"{self.ident}{sorted(kwargs.items())!r}"
-        exe = store.load(name, abstract)
-        if exe is None:
-            exe = store.compile(name, abstract, lambda: self.jitted.lower(*abstract, **kwargs),
-                                min_seconds=jax.config.jax_persistent_cache_min_compile_time_secs)
+        return self.prepare(jax.tree_util.tree_unflatten(tree, abstract), kwargs, store,
+                            min_seconds=jax.config.jax_persistent_cache_min_compile_time_secs)
+
+    def prepare(self, args: tuple, kwargs: dict | None = None, store: ExecutableStore | None = None,
+                min_seconds: float = 0.0) -> Any:
+        """The executable for abstract `args` (jax.ShapeDtypeStruct trees placed as the call's arguments will be)
+        and static `kwargs`, ahead of the call: read from `store` (default: the compile cache's, when on and the
+        program has a stable name), else compiled (and written there); installed, and returned."""
+        kwargs = kwargs or {}
+        key = call_key(args, kwargs)
+        if key in self.executables:
+            return self.executables[key]
+        if store is None and self.ident is not None:
+            store = ExecutableStore.from_compile_cache()
+        lower = lambda: self.jitted.lower(*args, **kwargs)     # noqa: E731
+        if store is None or self.ident is None:
+            exe = lower().compile()
+        else:
+            name = f"{self.ident}{sorted(kwargs.items())!r}"
+            exe = store.load(name, args) or store.compile(name, args, lower, min_seconds)
         self.install(key, exe)
         return exe
 

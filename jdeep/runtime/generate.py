@@ -4,6 +4,7 @@ Shapes are bucketed (batch, chunk length, max length) so repeated calls reuse pr
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -11,17 +12,19 @@ from typing import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from ..model.model import Model
 from ..speculative.config import parse_speculative
 from ..speculative.generate import speculative_generate
 from .buckets import default_chunk_buckets
 from .images import expand_image_prompt, is_image_prompt
+from .lowering import sharded_tree
 from .requests import RequestError, check_request, prompt_ids
 from .sampling import PenaltyState, SamplingParams, batch_params
 from .slot_sampling import SPECULATIVE_UNSUPPORTED, chunk_prompt_logprobs, logprob_entries, refuse_unsupported
-from .steps import (batch_bucket, count_tokens, decode_block, first_done, length_bucket, pack_chunk, run_step,
-                    sample_program)
+from .steps import (_device_block_program, batch_bucket, count_tokens, decode_block, first_done, length_bucket,
+                    pack_chunk, run_step, sample_program)
 from .stops import StopMatcher
 
 __all__ = ["GenerateOutput", "generate", "forward", "prefill"]
@@ -40,6 +43,9 @@ class GenerateOutput:
 # jdeep.generate's shortest chunk: a notebook's short prompts (under 64 tokens) share one prefill program; a
 # 64-position chunk costs little more than a 16-position one next to a compile
 GENERATE_MIN_CHUNK = 64
+
+# compiles the decode block while the prefill compiles (_compile_block_early)
+_EARLY = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jdeep-compile")
 
 
 def prefill(model: Model, state: dict, prompts: list[np.ndarray], chunk_size: int = 512,
@@ -155,20 +161,23 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str | Mapping], max
     state = model.init_state(Bb, max_len)
     history = model.new_history(Bb)
     scored = {b: p.prompt_logprobs for b, p in enumerate(params) if p.prompt_logprobs is not None}
+    block = 1 if model.engram is not None else min(length_bucket(stream_every, 1), length_bucket(n_new - 1, 1))
+    want_lp = any(p.logprobs is not None for p in params)
+    width = max(1, max(len(r.stop_ids) for r in requests))
+    sb = batch_params(params, Bb, default_seed=seed, stop_ids=[r.stop_ids for r in requests])
+    early = _compile_block_early(model, state, sb, width, any(p.penalized for p in params), block, return_logits,
+                                 want_lp) if n_new > 1 else None
     first, state, prompt_lps = prefill(model, state, prompts, prefill_chunk, history, scored, images)
 
-    width = max(1, max(len(r.stop_ids) for r in requests))
     stops = np.full((Bb, width), -1, np.int32)
     for b, r in enumerate(requests):
         stops[b, :len(r.stop_ids)] = r.stop_ids
-    sb = batch_params(params, Bb, default_seed=seed, stop_ids=[r.stop_ids for r in requests])
     max_new = np.asarray([p.max_new_tokens for p in params] + [1] * (Bb - B), np.int32)
     lens = np.array([len(p) for p in prompts] + [0] * (Bb - B), np.int32)
 
     first, sb, stops, max_new, lens, zeros, ones = model.to_sampler(
         (first, sb, stops, max_new, lens, np.zeros((Bb,), np.int32), np.ones((Bb,), np.int32)))
     pen = _penalties(model, prompts, params, Bb)
-    want_lp = any(p.logprobs is not None for p in params)
     out0 = sample_program(want_lp)(first, sb, zeros, pen)
     tok = out0[0] if want_lp else out0
     done = first_done(tok, stops, max_new, lens)
@@ -204,8 +213,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str | Mapping], max
             stream(chunks)
 
     after_block(tokens[0])
-    # power-of-two blocks: a handful of compiled programs whatever max_new_tokens is
-    block = 1 if model.engram is not None else min(length_bucket(stream_every, 1), length_bucket(n_new - 1, 1))
+    if early is not None:
+        early.result()                   # (its failure is the call's to report: it compiles there again)
     produced = 1
     while produced < n_new and not bool(np.all(fetch(carry[2]))):
         engram = None
@@ -243,6 +252,29 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str | Mapping], max
                  for b in range(B)]
     return GenerateOutput(out, out_logits, lengths, texts, _token_logprobs(out, lengths, params, lps),
                           [prompt_lps.get(b) for b in range(B)] if scored else None)
+
+
+def _compile_block_early(model: Model, state: dict, sb, width: int, penalized: bool, block: int, keep_logits: bool,
+                         want_lp: bool) -> concurrent.futures.Future | None:
+    """The decode block's program (steps.decode_block: `block` steps, power-of-two blocks keep them few) compiled, or
+    read from the executable store, on a thread of its own while the prompt's prefill compiles and runs: the first
+    call's two big compiles side by side. Over the arguments the block will get (the state as prefill leaves it,
+    the rows' carry, lengths, sampling rows, stop ids and limits, all on the model's device); None where the block
+    is not one device program (a host-driven loop, Engram, a mesh)."""
+    if model.host_loop or model.engram is not None or model.layout is not None:
+        return None
+    Bb, V = sb.temperature.shape[0], model.config.vocab_size
+    dev = SingleDeviceSharding(jax.devices()[0])
+
+    def a(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=dev)
+
+    row, flag = a((Bb,), jnp.int32), a((Bb,), jnp.bool_)
+    pen = PenaltyState(a((Bb, V), jnp.int32), a((Bb, V), jnp.bool_)) if penalized else None
+    args = (sharded_tree(model.params), sharded_tree(state), None, (row, row, flag, pen), row,
+            jax.tree_util.tree_map(lambda x: a(x.shape, x.dtype), sb), a((Bb, width), jnp.int32), row)
+    program = _device_block_program(model, block, keep_logits, want_lp)
+    return _EARLY.submit(program.prepare, args)
 
 
 def _penalties(model: Model, prompts: list[np.ndarray], params: list[SamplingParams], Bb: int) -> PenaltyState | None:

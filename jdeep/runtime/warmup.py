@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..model.cache import CachedProgram, call_key
+from ..model.cache import CachedProgram
 from ..model.executables import ExecutableStore
 from .inventory import ProgramSpec, total_programs
 from .sampling import SamplingParams, host_batch
@@ -64,12 +64,10 @@ def precompile(runner, specs: Sequence[ProgramSpec], workers: int | None = None,
 
     def build(prog):
         fn, static = (prog.fn.func, prog.fn.keywords) if isinstance(prog.fn, functools.partial) else (prog.fn, {})
-        if store is None or not isinstance(fn, CachedProgram) or fn.ident is None:
+        if isinstance(fn, CachedProgram) and store is not None:
+            fn.prepare(prog.args, static, store)
+        else:
             prog.lower().compile()
-            return prog
-        name = f"{fn.ident}{sorted(static.items())!r}"
-        exe = store.load(name, prog.args) or store.compile(name, prog.args, prog.lower)
-        fn.install(call_key(prog.args, static), exe)
         return prog
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:

@@ -80,3 +80,17 @@ def test_logits_of_requests_that_all_end_early_are_padded_with_nan(model):
     assert out.tokens.shape == (3, 40) and out.logits.shape == (3, 40, V)
     np.testing.assert_array_equal(out.tokens[:, 0], free.tokens[:, 0])
     assert (out.tokens[:, 1:] == -1).all() and np.isnan(out.logits[:, 1:]).all() and np.isfinite(out.logits[:, 0]).all()
+
+
+def test_the_decode_block_compiled_beside_the_prefill_is_the_one_that_runs(model):
+    """jdeep.generate compiles the decode block on a thread of its own while the prefill compiles
+    (generate._compile_block_early); the abstract arguments it compiles for must be the call's, else the call would
+    compile the block a second time through jax.jit."""
+    from jdeep.runtime.steps import _device_block_program
+
+    n = 9                                         # blocks of min(stream_every 16, 8 tokens after the first) = 8
+    params = [SamplingParams(max_new_tokens=n, temperature=0.8, presence_penalty=0.3, seed=2)]
+    out = jdeep.generate(model, [[0, 5, 9, 17]], sampling=params)
+    block = _device_block_program(model, 8, False, False)
+    assert block.executables and block.jitted._cache_size() == 0      # run from the installed executable
+    assert out.lengths[0] == n
