@@ -25,12 +25,13 @@ DeepSeek-V4.1 layers own only their window; the compressed caches live with the 
 
 No sequence length is stored: the positions passed with each chunk say where every sequence is.
 
-Prefix snapshots (`snapshot_slot` / `restore_slot`): after a slot's first p tokens, its state is a function of
-those tokens alone. The compressors write an entry only once its m tokens are complete, so entries j >= p // m of
-`ckv` / `ikeys` still hold their reset values; the rings (window, cbuf_*, ibuf_*) hold the last tokens, a
-not-yet-complete block and, for overlapping compressors, the block before it. A snapshot keeps the rings whole
-and the pools' first n_tokens // m entries (n_tokens >= p): restored into a freshly reset slot, it is that slot's
-state after the same p tokens, at any p.
+Prefix snapshots (`snapshot_head` / `snapshot_block`, `restore_head` / `restore_block`): after a slot's first p
+tokens, its state is a function of those tokens alone. The compressors write an entry only once its m tokens are
+complete, so entries j >= p // m of `ckv` / `ikeys` still hold their reset values; the rings (window, cbuf_*,
+ibuf_*) hold the last tokens, a not-yet-complete block and, for overlapping compressors, the block before it. A
+snapshot keeps the rings whole (its head) and the pools' first p // m entries, as p // block blocks of block // m
+entries each (block a multiple of every ratio m): restored into a freshly reset slot, it is that slot's state after
+the same p tokens, at any block-aligned p, and the programs copying it do not depend on p.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from .plan import LayerKind, LayerPlan
 
 __all__ = ["slot_state_shapes", "source_state_shapes", "source_index", "init_state", "empty_state", "empty_slot_state",
            "slot_window", "put_slot_window", "move_slot",
-           "state_bytes", "reset_slots", "zero_slots", "SNAPSHOT_POOLS", "snapshot_slot", "restore_slot"]
+           "state_bytes", "reset_slots", "zero_slots", "SNAPSHOT_POOLS", "snapshot_head",
+           "snapshot_block", "restore_head", "restore_block"]
 
 State = dict  # {"segments": list (segments) of list (slots) of dict[str, jax.Array], "sources": dict}
 SNAPSHOT_POOLS = ("ckv", "ikeys")      # the leaves with one entry per m tokens (prefix snapshots cut them)
@@ -191,37 +193,77 @@ def move_slot(state: State, src: jax.Array, dst: jax.Array) -> State:
         state)
 
 
-def _map_named(state: State, fn) -> State:
-    """fn(leaf name, leaf) over a state's leaves."""
-    return {"segments": [[{k: fn(k, v) for k, v in slot.items()} for slot in seg] for seg in state["segments"]],
-            "sources": {key: {k: fn(k, v) for k, v in d.items()} for key, d in state["sources"].items()}}
+def _pool_entries(name: str, a: jax.Array, block: int, max_len: int) -> int:
+    """Entries of pool leaf `a` ([R, B, Tc + 1, ...], Tc = max_len // m) one block of `block` tokens holds."""
+    return max(1, block // (max_len // (a.shape[2] - 1)))
 
 
-def snapshot_slot(state: State, slot: jax.Array, n_tokens: int, max_len: int) -> State:
-    """Slot `slot`'s rows as a prefix snapshot of at most `n_tokens` positions (module docstring): every leaf [R, B,
-    ...] -> [R, 1, ...], the pools (SNAPSHOT_POOLS, [R, B, Tc+1, ...] with Tc = max_len // m) cut to their first
-    n_tokens // m entries. slot: int32 scalar (traced, clamped); n_tokens, max_len (the state's length): static."""
+def _slot_index(state: State, slot: jax.Array) -> jax.Array:
     B = jax.tree_util.tree_leaves(state)[0].shape[1]
-    slot = jnp.clip(jnp.asarray(slot, jnp.int32), 0, B - 1)
+    return jnp.clip(jnp.asarray(slot, jnp.int32), 0, B - 1)
+
+
+def snapshot_head(state: State, slot: jax.Array) -> State:
+    """The part of a prefix snapshot (runtime/prefix_snapshot.py) that does not grow with the prefix: slot `slot`'s
+    rows of every leaf but the pools ([R, B, ...] -> [R, 1, ...]: the sliding-window rings, the compression
+    buffers); the pools (SNAPSHOT_POOLS) are left out of the tree (their entries travel by blocks: snapshot_block).
+    slot: int32 scalar (traced, clamped)."""
+    slot = _slot_index(state, slot)
+    return _select_named(state, lambda name: name not in SNAPSHOT_POOLS,
+                         lambda name, a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1))
+
+
+def snapshot_block(state: State, slot: jax.Array, index: jax.Array, block: int, max_len: int) -> State:
+    """Block `index` of slot `slot`'s pools: the entries of tokens [index * block, (index + 1) * block), i.e. pool
+    entries [index * block // m, (index + 1) * block // m) of every pool leaf ([R, B, Tc + 1, ...] -> [R, 1,
+    block // m, ...]); the other leaves left out of the tree. One program for any prefix length: a p-token snapshot
+    is its head and p // block blocks. slot, index: int32 scalars (traced, clamped into the slots and the state's
+    max_len // block blocks); block (tokens, a multiple of every compress ratio), max_len (the state's length):
+    static."""
+    slot = _slot_index(state, slot)
+    index = jnp.clip(jnp.asarray(index, jnp.int32), 0, max(1, max_len // block) - 1)
 
     def cut(name, a):
+        n = _pool_entries(name, a, block, max_len)
         row = jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)
-        if name in SNAPSHOT_POOLS:
-            m = max_len // (a.shape[2] - 1)
-            row = row[:, :, :max(1, min(a.shape[2] - 1, n_tokens // m))]
-        return row
+        return jax.lax.dynamic_slice_in_dim(row, index * n, n, axis=2)
 
-    return _map_named(state, cut)
+    return _select_named(state, lambda name: name in SNAPSHOT_POOLS, cut)
 
 
-def restore_slot(state: State, snap: State, slot: jax.Array) -> State:
-    """`state` with a snapshot (snapshot_slot) written over slot `slot`'s rows (int32 scalar, clamped): the rings
-    whole, the pools' first entries; pool entries past the snapshot's keep what the slot holds (a freshly reset slot:
-    their reset values). In place when the state is donated."""
-    B = jax.tree_util.tree_leaves(state)[0].shape[1]
-    slot = jnp.clip(jnp.asarray(slot, jnp.int32), 0, B - 1)
-    return jax.tree_util.tree_map(
-        lambda a, b: jax.lax.dynamic_update_slice(a, b, (0, slot) + (0,) * (a.ndim - 2)), state, snap)
+def restore_head(state: State, head: State, slot: jax.Array) -> State:
+    """`state` with a snapshot's head (snapshot_head) written over slot `slot`'s rows (int32 scalar, clamped); the
+    pools are not touched. In place when the state is donated."""
+    slot = _slot_index(state, slot)
+    return _update_named(state, head, lambda a, b: jax.lax.dynamic_update_slice(
+        a, b, (0, slot) + (0,) * (a.ndim - 2)))
+
+
+def restore_block(state: State, blk: State, slot: jax.Array, index: jax.Array, block: int, max_len: int) -> State:
+    """`state` with block `index` of a snapshot (snapshot_block, same block and max_len) written over slot `slot`'s
+    pool entries; pool entries of other blocks keep what the slot holds (a freshly reset slot: their reset values).
+    In place when the state is donated."""
+    slot = _slot_index(state, slot)
+    index = jnp.clip(jnp.asarray(index, jnp.int32), 0, max(1, max_len // block) - 1)
+    return _update_named(state, blk, lambda a, b: jax.lax.dynamic_update_slice(
+        a, b, (0, slot, index * b.shape[2]) + (0,) * (a.ndim - 3)))
+
+
+def _select_named(state: State, keep, fn) -> State:
+    """fn(leaf name, leaf) over the leaves whose name `keep` accepts; the others left out of the dicts."""
+    def part(d):
+        return {k: fn(k, v) for k, v in d.items() if keep(k)}
+    return {"segments": [[part(slot) for slot in seg] for seg in state["segments"]],
+            "sources": {key: part(d) for key, d in state["sources"].items()}}
+
+
+def _update_named(state: State, part: State, fn) -> State:
+    """`state` with fn(leaf, part's leaf) in place of every leaf `part` (a _select_named tree of it) holds."""
+    def merge(d, p):
+        return {k: fn(v, p[k]) if k in p else v for k, v in d.items()}
+    return {"segments": [[merge(d, p) for d, p in zip(seg, pseg)] for seg, pseg in zip(state["segments"],
+                                                                                  part["segments"])],
+            "sources": {key: merge(d, part["sources"][key]) for key, d in state["sources"].items()}}
 
 
 def state_bytes(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, dtype: Any,

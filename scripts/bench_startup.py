@@ -51,7 +51,7 @@ model = load(args.model, **load_kwargs(args))
 eng = make_engine(model, args.speculative_config, max_num_seqs=args.max_num_seqs, max_len=args.max_len,
                   prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.max_num_batched_tokens,
                   prefix_cache_bytes=args.prefix_cache_bytes, batch_buckets=args.batch_buckets,
-                  chunk_buckets=args.chunk_buckets)
+                  chunk_buckets=args.chunk_buckets, prefill_batch_buckets=args.prefill_batch_buckets)
 t1 = time.perf_counter()
 secs.clear(); counts.clear()
 n = eng.warmup()

@@ -1,7 +1,8 @@
-"""state.snapshot_slot / restore_slot against numpy slicing of the same random state: a snapshot is one slot's rows
-with the compressed pools cut to their first n_tokens // m entries and every ring whole; restoring it into another
-slot of a reset state writes exactly those rows and leaves every other slot, and the pool entries past the
-snapshot, as they were. For DeepSeek-V4 (per-layer caches, ratios 4 and 128) and V4.1 (shared per-ratio sources)."""
+"""state.snapshot_head / snapshot_block and their restores against numpy slicing of the same random state: a
+snapshot is one slot's rows of every ring (its head) and its compressed pools' entries block by block (block // m
+entries of a pool of ratio m per block); restoring head and blocks into another slot writes exactly those rows and
+leaves every other slot, and the pool entries past the snapshot's blocks, as they were. For DeepSeek-V4 (per-layer
+caches, ratios 4 and 128) and V4.1 (shared per-ratio sources)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 from jdeep.config import ModelConfig
 from jdeep.plan import build_plan
 from jdeep.config.small_models import TINY_CONFIG, tiny_v41_config
-from jdeep.state import SNAPSHOT_POOLS, empty_state, restore_slot, snapshot_slot
+from jdeep.state import SNAPSHOT_POOLS, empty_state, restore_block, restore_head, snapshot_block, snapshot_head
 
-MAX_LEN, BATCH = 512, 4
+MAX_LEN, BATCH, BLOCK = 512, 4, 128
+STATIC = ("block", "max_len")
 
 
 def _named(state: dict) -> list[tuple[str, object]]:
@@ -40,28 +42,44 @@ def _random_state(config: ModelConfig, seed: int) -> dict:
     return jax.tree_util.tree_map(fill, empty_state(config, build_plan(config), BATCH, MAX_LEN, jnp.float32))
 
 
+def _snapshot(state, slot: int, n_blocks: int):
+    head = jax.jit(snapshot_head)(state, jnp.int32(slot))
+    take = jax.jit(snapshot_block, static_argnames=STATIC)
+    return head, [take(state, jnp.int32(slot), jnp.int32(k), block=BLOCK, max_len=MAX_LEN) for k in range(n_blocks)]
+
+
+def _restore(state, head, blocks, slot: int):
+    state = jax.jit(restore_head)(state, head, jnp.int32(slot))
+    put = jax.jit(restore_block, static_argnames=STATIC)
+    for k, blk in enumerate(blocks):
+        state = put(state, blk, jnp.int32(slot), jnp.int32(k), block=BLOCK, max_len=MAX_LEN)
+    return state
+
+
 @pytest.mark.parametrize("config", [ModelConfig.from_dict(TINY_CONFIG), ModelConfig.from_dict(tiny_v41_config())],
                          ids=["v4", "v41"])
-@pytest.mark.parametrize("n_tokens", [128, 256])
+@pytest.mark.parametrize("n_tokens", [128, 384])
 def test_snapshot_and_restore_against_numpy(config, n_tokens):
     state = _random_state(config, 0)
     src, dst = 2, 1
-    snap = jax.jit(snapshot_slot, static_argnames=("n_tokens", "max_len"))(state, jnp.int32(src), n_tokens=n_tokens,
-                                                                          max_len=MAX_LEN)
-    pools = 0
-    for (name, a), (_, s) in zip(_named_leaves(state), _named_leaves(snap)):
-        if name in SNAPSHOT_POOLS:
-            m = MAX_LEN // (a.shape[2] - 1)
-            np.testing.assert_array_equal(s, a[:, src:src + 1, :n_tokens // m])
-            pools += 1
-        else:
-            np.testing.assert_array_equal(s, a[:, src:src + 1])
-    assert pools > 0
+    head, blocks = _snapshot(state, src, n_tokens // BLOCK)
+    named, head_leaves = _named_leaves(state), dict(enumerate(np.asarray(v) for _, v in _named(head)))
+    rings = [(k, a) for k, a in named if k not in SNAPSHOT_POOLS]
+    pools = [(k, a) for k, a in named if k in SNAPSHOT_POOLS]
+    assert len(head_leaves) == len(rings) and pools
+    for i, (_, a) in enumerate(rings):
+        np.testing.assert_array_equal(head_leaves[i], a[:, src:src + 1])
+    for k, blk in enumerate(blocks):
+        got = [np.asarray(v) for _, v in _named(blk)]
+        assert len(got) == len(pools)
+        for g, (_, a) in zip(got, pools):
+            n = BLOCK // (MAX_LEN // (a.shape[2] - 1))          # block // m entries
+            np.testing.assert_array_equal(g, a[:, src:src + 1, k * n:(k + 1) * n])
 
     target = _random_state(config, 1)
     before = _named_leaves(target)
-    restored = jax.jit(restore_slot)(target, snap, jnp.int32(dst))
-    for (name, b), (_, r), (_, a) in zip(before, _named_leaves(restored), _named_leaves(state)):
+    restored = _restore(target, head, blocks, dst)
+    for (name, b), (_, r), (_, a) in zip(before, _named_leaves(restored), named):
         want = b.copy()
         if name in SNAPSHOT_POOLS:
             n = n_tokens // (MAX_LEN // (a.shape[2] - 1))
@@ -71,12 +89,18 @@ def test_snapshot_and_restore_against_numpy(config, n_tokens):
         np.testing.assert_array_equal(r, want)
 
 
-def test_pool_entries_follow_the_compress_ratio():
-    """V4's ratio-4 and ratio-128 pools keep n_tokens / 4 and n_tokens / 128 entries; V4.1's ratio-1 source keeps one
-    entry per token."""
+def test_block_entries_follow_the_compress_ratio():
+    """A 128-token block of V4's ratio-4 and ratio-128 pools holds 32 and 1 entries; of V4.1's ratio-1 source, one
+    entry per token. The block index is clamped into the state's blocks (no out-of-range slice)."""
     for config in (ModelConfig.from_dict(TINY_CONFIG), ModelConfig.from_dict(tiny_v41_config())):
         state = jax.eval_shape(lambda: empty_state(config, build_plan(config), BATCH, MAX_LEN, jnp.float32))
-        snap = jax.eval_shape(lambda s: snapshot_slot(s, jnp.int32(0), n_tokens=256, max_len=MAX_LEN), state)
-        got = {MAX_LEN // (a.shape[2] - 1): s.shape[2] for (k, a), (_, s) in zip(_named(state), _named(snap))
-               if k in SNAPSHOT_POOLS}
-        assert got == {m: 256 // m for m in got} and len(got) >= 2
+        blk = jax.eval_shape(lambda s: snapshot_block(s, jnp.int32(0), jnp.int32(0), block=BLOCK, max_len=MAX_LEN),
+                             state)
+        pools = [(k, a) for k, a in _named(state) if k in SNAPSHOT_POOLS]
+        got = {MAX_LEN // (a.shape[2] - 1): b.shape[2] for (_, a), (_, b) in zip(pools, _named(blk))}
+        assert got == {m: BLOCK // m for m in got} and len(got) >= 2
+    state = _random_state(ModelConfig.from_dict(TINY_CONFIG), 2)
+    last = jax.jit(snapshot_block, static_argnames=STATIC)
+    far, end = (last(state, jnp.int32(0), jnp.int32(k), block=BLOCK, max_len=MAX_LEN) for k in (99, MAX_LEN // BLOCK - 1))
+    for a, b in zip(jax.tree_util.tree_leaves(far), jax.tree_util.tree_leaves(end)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -254,10 +254,14 @@ def _bucket_list(what: str):
 
 
 def add_bucket_args(p) -> None:
-    """--batch-buckets, --chunk-buckets: the deployment's bucket ladders (runtime/buckets.py)."""
+    """--batch-buckets, --prefill-batch-buckets, --chunk-buckets: the deployment's bucket ladders
+    (runtime/buckets.py)."""
     p.add_argument("--batch-buckets", type=_bucket_list("--batch-buckets"), metavar="N,N,...",
                    help="window sizes (slot rows) step programs are compiled for: powers of two up to the slots, which "
-                        "are always one (default: every power of two)")
+                        "are always one (default: every power of two; on Neuron powers of 8)")
+    p.add_argument("--prefill-batch-buckets", type=_bucket_list("--prefill-batch-buckets"), metavar="N,N,...",
+                   help="the window sizes among --batch-buckets that prefill steps use (default: all of them; on "
+                        "Neuron those up to 8)")
     p.add_argument("--chunk-buckets", type=_bucket_list("--chunk-buckets"), metavar="S,S,...",
                    help="prefill chunk lengths step programs are compiled for: powers of two from 16 up to "
                         "--prefill-chunk (default: powers of four from 16, and --prefill-chunk)")

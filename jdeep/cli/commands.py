@@ -316,7 +316,7 @@ def _info_programs(args: argparse.Namespace) -> int:
     try:
         counted = count_inventory(t, args.max_num_seqs, args.max_len or 4096, args.prefill_chunk,
                                   args.max_num_batched_tokens, args.prefix_cache_bytes != 0, args.speculative_tokens,
-                                  args.batch_buckets, args.chunk_buckets)
+                                  args.batch_buckets, args.chunk_buckets, args.prefill_batch_buckets, platform)
     except ValueError as e:
         raise SystemExit(f"jdeep info --programs: {e}") from None
     print(format_inventory(counted))
@@ -390,13 +390,16 @@ def _deployment_programs(args: argparse.Namespace, target: Target) -> list:
         specs, n_slots, state_len = plan_inventory(target.config, args.max_num_seqs, args.max_len,
                                                    args.prefill_chunk, args.max_num_batched_tokens,
                                                    prefix_cache=prefix_cache, batch_buckets=args.batch_buckets,
-                                                   chunk_buckets=args.chunk_buckets)
+                                                   chunk_buckets=args.chunk_buckets,
+                                                   prefill_batch_buckets=args.prefill_batch_buckets,
+                                                   platform=args.platform)
         return inventory_programs(target, specs, n_slots, state_len)
     method = "dspark" if target.config.dspark is not None else "mtp"
     try:
         specs, n_slots, state_len, drafter = plan_speculative_inventory(
             target, method, args.speculative_tokens, args.max_num_seqs, args.max_len, args.prefill_chunk,
-            args.max_num_batched_tokens, prefix_cache, args.batch_buckets, args.chunk_buckets)
+            args.max_num_batched_tokens, prefix_cache, args.batch_buckets, args.chunk_buckets,
+            args.prefill_batch_buckets, args.platform)
         return inventory_programs(drafter.spec, specs, n_slots, state_len, drafter=drafter)
     except ValueError as e:
         raise SystemExit(f"jdeep: --speculative-tokens {args.speculative_tokens}: {e}") from None

@@ -59,6 +59,7 @@ def engine_settings(engine: Engine, args: argparse.Namespace) -> dict:
     return {"jdeep": __version__, "config": config, "engine": type(engine).__name__, "slots": engine.n_slots,
             "max_len": engine.max_len, "prefill_chunk": engine.chunk,
             "batch_buckets": list(engine.scheduler.batch_buckets), "chunk_buckets": list(engine.scheduler.chunk_buckets),
+            "prefill_batch_buckets": list(engine.scheduler.prefill_buckets),
             "max_num_batched_tokens": engine.max_num_batched_tokens, "seed": engine.seed, "eos": engine.eos,
             "mesh": model.layout.describe() if model.layout is not None else None, "dtype": str(model.dtype),
             "compile_mode": model.compile_mode, "warmup": bool(args.warmup),
@@ -126,7 +127,8 @@ def serving_engine(args: argparse.Namespace) -> Engine:
     return make_engine(model, args.speculative_config, max_num_seqs=args.max_num_seqs, max_len=args.max_len,
                        prefill_chunk=args.prefill_chunk, seed=getattr(args, "seed", 0), tokenizer=tokenizer,
                        max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache_bytes=args.prefix_cache_bytes,
-                       batch_buckets=args.batch_buckets, chunk_buckets=args.chunk_buckets)
+                       batch_buckets=args.batch_buckets, chunk_buckets=args.chunk_buckets,
+                       prefill_batch_buckets=args.prefill_batch_buckets)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -143,7 +145,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     n = engine.warmup(first_use=True, progress=_compile_progress("jdeep compile") if sys.stderr.isatty() else None)
     print(f"jdeep compile: {n} programs compiled in {time.perf_counter() - t0:.1f} s into "
           f"{jax.config.jax_compilation_cache_dir} ({engine.n_slots} slots, max_len {engine.max_len}, batch buckets "
-          f"{list(engine.scheduler.batch_buckets)}, chunk buckets {list(engine.scheduler.chunk_buckets)})")
+          f"{list(engine.scheduler.batch_buckets)} (prefill {list(engine.scheduler.prefill_buckets)}), chunk buckets "
+          f"{list(engine.scheduler.chunk_buckets)})")
     return 0
 
 

@@ -8,9 +8,19 @@ sizes are), so the program set is small and known.
   smallest bucket holding it that the iteration's token budget allows (else the largest that fits, and at least the
   smallest bucket: no prompt starves).
 
-Defaults: every power of two for the batch (a one-request window stays one row: on CPU a decode step's cost grows
-with its rows), and for chunks powers of four from 16 plus the longest chunk (16, 64, 256 for chunks of 256: three
-prefill programs per window where powers of two take five).
+- Prefill batch buckets: the window sizes a prefill step may use (a subset of the batch buckets; the aligned window
+  mode only: a mesh's and an Engram model's prefill windows are the decode ladder's).
+
+Defaults, per platform (`default_ladders`):
+- CPU / GPU: every power of two for the batch and for prefill windows (a one-request window stays one row: on CPU a
+  decode step's cost grows with its rows: 5.7x from 1 to 8 rows on v4-bench-small), and for chunks powers of four
+  from 16 plus the longest chunk (16, 64, 256 for chunks of 256: three prefill programs per window where powers of
+  two take five).
+- Neuron: powers of eight for the batch (1, 8, 64, and the pool's size), prefill windows of at most 8 rows. Every
+  program there is a neuronx-cc compile (minutes, per region in the regions mode), a decode step streams the same
+  weights whatever its rows (padding rows is cheap), and a prefill step of 8 x 16 tokens already fills the tensor
+  engine, so wider prefill windows add programs, not speed. (AWS NxDI's defaults go further: context encoding at
+  batch 1, token generation at the largest batch.)
 """
 
 from __future__ import annotations
@@ -19,7 +29,11 @@ from typing import Sequence
 
 from .steps import MIN_BUCKET
 
-__all__ = ["batch_ladder", "chunk_ladder", "default_chunk_buckets", "parse_buckets"]
+__all__ = ["batch_ladder", "chunk_ladder", "prefill_ladder", "default_chunk_buckets", "default_ladders",
+           "parse_buckets", "NEURON_BATCH_STEP", "NEURON_PREFILL_ROWS"]
+
+NEURON_BATCH_STEP = 8      # Neuron's default batch ladder: powers of this
+NEURON_PREFILL_ROWS = 8    # Neuron's default widest prefill window
 
 
 def _is_pow2(n: int) -> bool:
@@ -49,6 +63,31 @@ def batch_ladder(n_slots: int, buckets: Sequence[int] | None = None) -> tuple[in
             raise ValueError(f"batch bucket {b} exceeds the engine's {n_slots} slots (max_num_seqs rounded up to a "
                              "power of two)")
     return tuple(sorted(set(buckets) | {n_slots}))
+
+
+def default_ladders(n_slots: int, platform: str) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """(batch buckets, prefill batch buckets) a pool of n_slots slots gets on `platform` when the deployment declares
+    none (module docstring; None: every power of two)."""
+    if platform != "neuron":
+        return None, None
+    batch, b = [], 1
+    while b < n_slots:
+        batch.append(b)
+        b *= NEURON_BATCH_STEP
+    batch = tuple(batch) + (n_slots,)
+    return batch, tuple(b for b in batch if b <= NEURON_PREFILL_ROWS)
+
+
+def prefill_ladder(batch: Sequence[int], buckets: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The prefill window sizes, ascending: `buckets` (validated: each one of the batch buckets `batch`) or `batch`."""
+    if buckets is None:
+        return tuple(batch)
+    if not buckets:
+        raise ValueError("prefill batch buckets must name at least one window size")
+    for b in buckets:
+        if b not in batch:
+            raise ValueError(f"prefill batch bucket {b!r} is not one of the batch buckets {list(batch)}")
+    return tuple(sorted(set(buckets)))
 
 
 def default_chunk_buckets(max_chunk: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:

@@ -67,7 +67,8 @@ class Engine:
     def __init__(self, model: Model, max_num_seqs: int = 8, max_len: int = 2048, prefill_chunk: int = 256,
                  seed: int = 0, ignore_eos: bool = False, tokenizer=None, max_num_batched_tokens: int | None = None,
                  decode_width: int = 1, prefix_cache_bytes: int | str = 0,
-                 batch_buckets: Sequence[int] | None = None, chunk_buckets: Sequence[int] | None = None):
+                 batch_buckets: Sequence[int] | None = None, chunk_buckets: Sequence[int] | None = None,
+                 prefill_batch_buckets: Sequence[int] | None = None):
         """prefill_chunk: the longest prefill chunk (rounded down to a power of two). max_num_batched_tokens: token
         positions one iteration may compute, decode rows first (default_batched_tokens: a full decode window plus
         one longest chunk). tokenizer: for text prompts, stop strings and RequestOutput.text (default:
@@ -75,8 +76,9 @@ class Engine:
         the state then holds decode_width positions past max_len). prefix_cache_bytes: device bytes of decode-state
         snapshots kept for prompts that share a prefix (0: off; "auto", `jdeep serve`'s default: a quarter of the
         decode state's bytes, prefix_snapshot.auto_budget; prefix_cache.py; not on a device mesh). batch_buckets /
-        chunk_buckets: the window sizes and prefill chunk lengths programs are compiled for (buckets.py; default:
-        every power of two up to the slots, and powers of four from 16 plus prefill_chunk)."""
+        chunk_buckets: the window sizes and prefill chunk lengths programs are compiled for, prefill_batch_buckets the
+        window sizes of prefill steps among them (buckets.py; default: the platform's, buckets.default_ladders: on
+        CPU and GPU every power of two up to the slots; chunks: powers of four from 16 plus prefill_chunk)."""
         if max_num_seqs < 1 or max_len < 2 or prefill_chunk < 1:
             raise ValueError(f"max_num_seqs, max_len and prefill_chunk must be positive, got {max_num_seqs}, "
                              f"{max_len}, {prefill_chunk}")
@@ -91,7 +93,8 @@ class Engine:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = default_batched_tokens(self.n_slots * decode_width, prefill_chunk)
         self.scheduler = serving_scheduler(self.n_slots, max_num_batched_tokens, prefill_chunk,
-                                           self.pool.window_mode, decode_width, batch_buckets, chunk_buckets)
+                                           self.pool.window_mode, decode_width, batch_buckets, chunk_buckets,
+                                           prefill_batch_buckets)
         self.chunk = self.scheduler.max_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos = None if ignore_eos else model.config.eos_token_id

@@ -10,7 +10,8 @@ such as a drafter's draft and verify).
 Names: "b{rows}.decode", "b{rows}.prefill{S}" (the step programs, as tools/dev/programs.model_programs names them),
 "b{rows}.prefill{S}.all_logits" and "b{rows}.prompt_logprobs{S}" (prompt logprobs: compiled when a request first
 asks, `first_use`), "b{rows}.sample" (slot_sampling.sample_window), "penalties.{reset,move}", "slots.{reset,move}",
-"snapshot{L}.{out,in}" (the prefix cache's copy-out / copy-in of an L-token prefix bucket), and a speculative
+"snapshot.{head,block}.{out,in}" (the prefix cache's copy-out / copy-in of a snapshot's head and of one block
+of it: prefix_snapshot.SNAPSHOT_PROGRAMS), and a speculative
 runner's "b{rows}.spec{k}.decode.{greedy,sampled}" and "b{rows}.spec.prefill{S}.{greedy,sampled}".
 """
 
@@ -23,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from ..model.cache import PROGRAMS
-from ..state import move_slot, reset_slots, restore_slot, snapshot_slot
-from .prefix_snapshot import prefix_block, snapshot_sizes
+from ..state import move_slot, reset_slots
+from .prefix_snapshot import SNAPSHOT_PROGRAMS, prefix_block, snapshot_block_for, snapshot_programs
 from .sampling import PenaltyState, abstract_batch
 from .scheduler import Scheduler, serving_scheduler
 from .slot_pool import window_mode_for
@@ -50,30 +51,32 @@ class ProgramSpec:
     first_use: bool = False   # compiled when a request first needs it, not in warm-up (a rare variant)
 
 
-def slot_programs(sched: Scheduler, n_slots: int, snapshot_sizes: Sequence[int]) -> list[ProgramSpec]:
-    """The slot pool's programs: the reset, the move (when slots can move), the prefix cache's snapshots."""
+def slot_programs(sched: Scheduler, n_slots: int, snapshot_block: int | None) -> list[ProgramSpec]:
+    """The slot pool's programs: the reset, the move (when slots can move), the prefix cache's snapshot copies of
+    `snapshot_block`-token blocks (None: no snapshots; the entries' seq is the block)."""
     out = [ProgramSpec("slots.reset", "slots")]
     if sched.window_mode != "pool" and n_slots > 1:
         out.append(ProgramSpec("slots.move", "slots"))
-    for L in snapshot_sizes:
-        out += [ProgramSpec(f"snapshot{L}.out", "snapshot", seq=L), ProgramSpec(f"snapshot{L}.in", "snapshot", seq=L)]
+    if snapshot_block is not None:
+        out += [ProgramSpec(name, "snapshot", seq=snapshot_block) for name in SNAPSHOT_PROGRAMS]
     return out
 
 
-def serving_programs(sched: Scheduler, n_slots: int, snapshot_sizes: Sequence[int] = (),
+def serving_programs(sched: Scheduler, n_slots: int, snapshot_block: int | None = None,
                      prompt_logprobs: bool = True) -> list[ProgramSpec]:
     """The plain Engine's inventory, in warm-up order: the slot programs, a decode step per window size and a
-    prefill step per (window size, chunk bucket) the scheduler can choose, the sampler per window size and the
-    penalty pool's reset and move, and with prompt_logprobs each prefill step's all-positions variant and its
+    prefill step per (window size, chunk bucket) the scheduler can choose, the sampler per window size, the penalty
+    pool's reset and move (run only for requests with a presence, frequency or repetition penalty: compiled when the
+    first one comes, `first_use`), and with prompt_logprobs each prefill step's all-positions variant and its
     prompt-logprob program (compiled on first use)."""
     decode, prefill = sched.decode_programs(), sched.prefill_programs()
-    out = slot_programs(sched, n_slots, snapshot_sizes)
+    out = slot_programs(sched, n_slots, snapshot_block)
     out += [ProgramSpec(f"b{n}.decode", "step", n, 1) for n in decode]
     out += [ProgramSpec(f"b{n}.prefill{S}", "step", n, S) for n, S in prefill]
     out += [ProgramSpec(f"b{n}.sample", "sampler", n) for n in decode]
-    out.append(ProgramSpec("penalties.reset", "penalties"))
+    out.append(ProgramSpec("penalties.reset", "penalties", first_use=True))
     if sched.window_mode != "pool" and n_slots > 1:
-        out.append(ProgramSpec("penalties.move", "penalties"))
+        out.append(ProgramSpec("penalties.move", "penalties", first_use=True))
     for n, S in prefill if prompt_logprobs else ():
         out += [ProgramSpec(f"b{n}.prefill{S}.all_logits", "step", n, S, "all_logits", first_use=True),
                 ProgramSpec(f"b{n}.prompt_logprobs{S}", "prompt_logprobs", n, S, first_use=True)]
@@ -88,16 +91,17 @@ def total_programs(specs: Sequence[ProgramSpec]) -> int:
 def plan_inventory(config, max_num_seqs: int, max_len: int, prefill_chunk: int = 256,
                    max_num_batched_tokens: int | None = None, prompt_logprobs: bool = True,
                    prefix_cache: bool = True, batch_buckets: Sequence[int] | None = None,
-                   chunk_buckets: Sequence[int] | None = None) -> tuple[list[ProgramSpec], int, int]:
+                   chunk_buckets: Sequence[int] | None = None, prefill_batch_buckets: Sequence[int] | None = None,
+                   platform: str | None = None) -> tuple[list[ProgramSpec], int, int]:
     """The plain Engine's inventory for these serving settings (Engine's arguments of the same names; prefix_cache:
-    whether it keeps a prefix cache), from the config alone (no weights, no device state): what
+    whether it keeps a prefix cache; platform: whose default ladders, default JAX's backend), from the config alone (no weights, no device state): what
     `Engine(model, ...).programs()` returns on one device. Returns (specs, n_slots, the state's length)."""
     n_slots = batch_bucket(max_num_seqs)
     budget = max_num_batched_tokens or default_batched_tokens(n_slots, prefill_chunk)
     sched = serving_scheduler(n_slots, budget, prefill_chunk, window_mode_for(config.engram is not None, mesh=False),
-                              1, batch_buckets, chunk_buckets)
-    sizes = snapshot_sizes(prefix_block(config) if prefix_cache else None, max_len)
-    return serving_programs(sched, n_slots, sizes, prompt_logprobs), n_slots, state_length(max_len)
+                              1, batch_buckets, chunk_buckets, prefill_batch_buckets, platform)
+    block = snapshot_block_for(prefix_block(config) if prefix_cache else None, max_len)
+    return serving_programs(sched, n_slots, block, prompt_logprobs), n_slots, state_length(max_len)
 
 
 def abstract_program(spec: ProgramSpec, state: Any, vocab: int, n_slots: int, state_len: int
@@ -116,12 +120,15 @@ def abstract_program(spec: ProgramSpec, state: Any, vocab: int, n_slots: int, st
     if spec.name == "slots.move":
         return PROGRAMS.jit(move_slot, donate_argnums=(0,)), (state, i32, i32), {}
     if spec.kind == "snapshot":
-        static = {"n_tokens": spec.seq, "max_len": state_len}
-        take = PROGRAMS.jit(snapshot_slot, static_argnames=("n_tokens", "max_len"))
-        if spec.name.endswith(".out"):
-            return take, (state, i32), static
-        snap = jax.eval_shape(lambda s, i: snapshot_slot(s, i, **static), state, i32)
-        return PROGRAMS.jit(restore_slot, donate_argnums=(0,)), (state, snap, i32), {}
+        progs = snapshot_programs()
+        if spec.name.startswith("snapshot.head"):
+            head = jax.eval_shape(progs["snapshot.head.out"], state, i32)
+            args = (state, i32) if spec.name.endswith(".out") else (state, head, i32)
+            return progs[spec.name], args, {}
+        static = {"block": spec.seq, "max_len": state_len}
+        blk = jax.eval_shape(lambda s, i, k: progs["snapshot.block.out"](s, i, k, **static), state, i32, i32)
+        args = (state, i32, i32) if spec.name.endswith(".out") else (state, blk, i32, i32)
+        return progs[spec.name], args, static
     if spec.name == "penalties.reset":
         return PROGRAMS.jit(_reset_row, donate_argnums=(0,)), (pen, i32, a((vocab,), jnp.bool_)), {}
     if spec.name == "penalties.move":

@@ -9,7 +9,7 @@ hash collision is a miss, never a wrong state. Only prefixes of at most len(prom
 last prompt token is always computed, so the first sampled token comes from a real step.
 
 Where snapshots are taken (`targets`). A snapshot is a copy of a slot's whole rings plus its pools' first entries
-(state.snapshot_slot), not shared blocks, so one per block would cost the prefix's pools many times over. A request
+(state.snapshot_head / snapshot_block), not blocks shared between entries, so one per block would cost the prefix's pools many times over. A request
 prefilling from `start` takes them at the block-times-power-of-two boundaries (128, 256, 512, ...: a later prompt
 sharing any prefix recovers at least half of it), at its prompt's last block boundary (the next turn of a
 conversation extends the whole prompt), and at the longest block-aligned prefix it shares with a prompt seen before
@@ -71,7 +71,7 @@ class PrefixPlan:
 @dataclass
 class _Entry:
     tokens: np.ndarray       # int32 [p + lookahead]: the prefix itself and the tokens after it (verified on a hit)
-    snapshot: Any            # the device snapshot (state.snapshot_slot)
+    snapshot: Any            # the device snapshot (prefix_snapshot.Snapshot)
     nbytes: int
 
 

@@ -9,10 +9,13 @@
 - after a chunk (`snapshot_prefills`): a request whose prefill now ends on its next snapshot point is copied out of
   its slot, unless that prefix is cached already.
 
-Programs: a snapshot of p tokens keeps its pools' first L // m entries, L = the smallest power of two >= max(p,
-block) (steps.length_bucket), so there is one copy-out and one copy-in program per L up to the state's length,
-listed by `snapshot_sizes` in the engine's inventory (inventory.py) and compiled by its warm-up. Snapshots stay on the device, as program outputs placed like the state; their bytes
-count against the budget.
+Programs: a snapshot of p tokens (p a multiple of the cache's block) is a `Snapshot`: the slot's head (every leaf but
+the compressed pools: the sliding-window rings and compression buffers; state.snapshot_head) and p // block blocks of
+its pools' entries (state.snapshot_block: the entries of one block of tokens, at a block index passed as a runtime
+value). So four programs serve every prefix length (`SNAPSHOT_PROGRAMS`: the head's and a block's copy-out and
+copy-in), listed in the engine's inventory (inventory.py) and compiled by its warm-up; a snapshot of p tokens costs
+1 + p // block program calls each way. Snapshots stay on the device, as program outputs placed like the state; their
+bytes (exactly the prefix's pool entries, no rounding up) count against the budget.
 
 Exactness: the restored slot holds exactly the state the earlier request had after the prefix (state.py), so the
 continuation computes what a from-scratch run does over the same chunks after the prefix: bit for bit equal logits
@@ -33,18 +36,19 @@ nothing up (they need every prompt position's logits); a device mesh (model.layo
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
 
 from ..model.cache import PROGRAMS
-from ..state import restore_slot, snapshot_slot, state_bytes
+from ..state import restore_block, restore_head, snapshot_block, snapshot_head, state_bytes
 from ..platforms import device_memory
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache, PrefixPlan
-from .steps import length_bucket
 
 __all__ = ["AUTO", "auto_budget", "prefix_cache_for", "admit_cached", "cut_at_targets", "snapshot_prefills", "take_snapshot",
-           "restore_snapshot", "replay_history", "snapshot_sizes", "prefix_block"]
+           "restore_snapshot", "replay_history", "snapshot_block_for", "prefix_block", "Snapshot", "SNAPSHOT_PROGRAMS",
+           "snapshot_programs", "warm_snapshot"]
 
 
 AUTO = "auto"
@@ -83,16 +87,69 @@ def prefix_block(config) -> int:
     return math.lcm(DEFAULT_BLOCK, *[k.ratio for k in config.attention_kinds if k.ratio > 0])
 
 
-def take_snapshot(cache: PrefixCache, state: dict, slot: jax.Array, p: int) -> tuple[dict, int]:
-    """(snapshot, device bytes) of slot `slot` (int32 scalar on the device) after p prompt tokens."""
-    fn = PROGRAMS.jit(snapshot_slot, static_argnames=("n_tokens", "max_len"))
-    snap = fn(state, slot, n_tokens=length_bucket(p, cache.block), max_len=cache.max_len)
+class Snapshot(NamedTuple):
+    """A prefix snapshot on the device (module docstring): head (state.snapshot_head's tree) and blocks (one
+    state.snapshot_block tree per block of the prefix, in order)."""
+
+    head: dict
+    blocks: tuple
+
+
+SNAPSHOT_PROGRAMS = ("snapshot.head.out", "snapshot.head.in", "snapshot.block.out", "snapshot.block.in")
+_STATIC = ("block", "max_len")
+
+
+def snapshot_programs() -> dict[str, Callable]:
+    """The jitted programs of SNAPSHOT_PROGRAMS by name: head out (state, slot), head in (state, head, slot), block
+    out (state, slot, index, *, block, max_len), block in (state, blk, slot, index, *, block, max_len); the copy-ins
+    donate the state."""
+    return {"snapshot.head.out": PROGRAMS.jit(snapshot_head),
+            "snapshot.head.in": PROGRAMS.jit(restore_head, donate_argnums=(0,)),
+            "snapshot.block.out": PROGRAMS.jit(snapshot_block, static_argnames=_STATIC),
+            "snapshot.block.in": PROGRAMS.jit(restore_block, donate_argnums=(0,), static_argnames=_STATIC)}
+
+
+def take_snapshot(cache: PrefixCache, state: dict, slot: jax.Array, p: int, put: Callable) -> tuple[Snapshot, int]:
+    """(snapshot, device bytes) of slot `slot` (int32 scalar on the device) after p prompt tokens (a multiple of the
+    cache's block); put: places a host int32 on the state's device (Model.put)."""
+    if p <= 0 or p % cache.block:
+        raise ValueError(f"a prefix snapshot covers whole {cache.block}-token blocks, got {p} tokens")
+    progs = snapshot_programs()
+    static = {"block": cache.block, "max_len": cache.max_len}
+    head = progs["snapshot.head.out"](state, slot)
+    blocks = tuple(progs["snapshot.block.out"](state, slot, put(np.int32(k)), **static)
+                   for k in range(p // cache.block))
+    snap = Snapshot(head, blocks)
     return snap, sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(snap))
 
 
-def restore_snapshot(state: dict, snap: dict, slot: jax.Array) -> dict:
-    """The state with `snap` written over slot `slot` (state donated)."""
-    return PROGRAMS.jit(restore_slot, donate_argnums=(0,))(state, snap, slot)
+def restore_snapshot(cache: PrefixCache, state: dict, snap: Snapshot, slot: jax.Array, put: Callable) -> dict:
+    """The state with `snap` written over slot `slot` (state donated); put as in take_snapshot."""
+    progs = snapshot_programs()
+    static = {"block": cache.block, "max_len": cache.max_len}
+    state = progs["snapshot.head.in"](state, snap.head, slot)
+    for k, blk in enumerate(snap.blocks):
+        state = progs["snapshot.block.in"](state, blk, slot, put(np.int32(k)), **static)
+    return state
+
+
+def warm_snapshot(pool, spec, held: dict) -> None:
+    """Run one SNAPSHOT_PROGRAMS entry of the inventory (spec.name; spec.seq: the block) on slot 0 of the pool's
+    state: the copy-outs keep their result in `held`, the copy-ins write it back where it came from (nothing
+    changes)."""
+    progs, put = snapshot_programs(), pool.model.put
+    zero = put(np.int32(0))
+    static = {"block": spec.seq, "max_len": pool.cache_len}
+    if spec.name == "snapshot.head.out":
+        held["head"] = progs[spec.name](pool.state, zero)
+    elif spec.name == "snapshot.head.in":
+        pool.state = progs[spec.name](pool.state, held.pop("head"), zero)
+    elif spec.name == "snapshot.block.out":
+        held["block"] = progs[spec.name](pool.state, zero, zero, **static)
+    elif spec.name == "snapshot.block.in":
+        pool.state = progs[spec.name](pool.state, held.pop("block"), zero, zero, **static)
+    else:
+        raise ValueError(f"{spec.name!r} is not a snapshot program ({SNAPSHOT_PROGRAMS})")
 
 
 def replay_history(history, slot: int, prefix: np.ndarray, image_token_id: int | None) -> None:
@@ -170,13 +227,7 @@ def snapshot_prefills(pool, slots) -> None:
             cache.insert(s.request.ids, plan.chain, p, snap, nbytes)
 
 
-def snapshot_sizes(block: int | None, max_len: int) -> list[int]:
-    """The prefix buckets L (tokens) whose copy-out and copy-in programs a prompt of up to max_len - 1 tokens can
-    run with a cache of `block`-token blocks: block, 2 * block, ... (none without a cache: block None)."""
-    if block is None or max_len - 1 < block:      # (no prefix that short can be cached)
-        return []
-    sizes, size, largest = [], block, length_bucket(max_len - 1, block)
-    while size <= largest:
-        sizes.append(size)
-        size *= 2
-    return sizes
+def snapshot_block_for(block: int | None, max_len: int) -> int | None:
+    """The block of a cache of `block`-token blocks (None: no cache) if it can snapshot a prompt of up to
+    max_len - 1 tokens, else None (the engine's inventory holds SNAPSHOT_PROGRAMS for a block)."""
+    return block if block is not None and max_len - 1 >= block else None

@@ -21,7 +21,7 @@ from jax.sharding import SingleDeviceSharding
 from ..model.model import Model
 from .inventory import ProgramSpec, serving_programs
 from .lowering import Program, abstract_tree, inventory_programs, placed, sharded_tree
-from .prefix_snapshot import snapshot_prefills, snapshot_sizes
+from .prefix_snapshot import snapshot_block_for, snapshot_prefills
 from .scheduler import Iteration, Scheduler, Window
 from .slot_pool import SlotPool
 from .slot_sampling import chunk_prompt_logprobs, logprob_entries
@@ -114,7 +114,7 @@ class Runner:
         """Every program this runner and its pool run for prompts up to max_len tokens, in warm-up order
         (inventory.serving_programs); prompt_logprobs=False leaves out the all-positions prefill steps and the
         prompt-logprob programs only prompt logprobs need (listed with first_use: compiled when first asked)."""
-        return serving_programs(self.scheduler, self.pool.n_slots, snapshot_sizes(self.pool.snapshot_block, max_len),
+        return serving_programs(self.scheduler, self.pool.n_slots, snapshot_block_for(self.pool.snapshot_block, max_len),
                                 prompt_logprobs)
 
     def warm(self, spec: ProgramSpec, ctx: WarmContext) -> None:

@@ -19,7 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .buckets import batch_ladder, chunk_ladder, default_chunk_buckets
+import jax
+
+from .buckets import batch_ladder, chunk_ladder, default_chunk_buckets, default_ladders, prefill_ladder
 from .steps import MIN_BUCKET
 
 __all__ = ["Window", "Iteration", "Scheduler", "serving_scheduler", "covering_window", "floor_pow2"]
@@ -89,11 +91,12 @@ class Scheduler:
     positions per iteration, with prefill chunks of at most `max_chunk` tokens (rounded down to a power of two).
     decode_width: positions one decoding request computes per iteration (k + 1 with k speculative tokens).
     batch_buckets / chunk_buckets: the window sizes and chunk lengths programs exist for (buckets.py; None: every
-    power of two)."""
+    power of two); prefill_batch_buckets: the window sizes of prefill steps, in the aligned window mode (None: the
+    batch buckets)."""
 
     def __init__(self, n_slots: int, max_batched_tokens: int, max_chunk: int, window_mode: str = "aligned",
                  decode_width: int = 1, batch_buckets: Sequence[int] | None = None,
-                 chunk_buckets: Sequence[int] | None = None):
+                 chunk_buckets: Sequence[int] | None = None, prefill_batch_buckets: Sequence[int] | None = None):
         if n_slots < 1 or n_slots & (n_slots - 1):
             raise ValueError(f"n_slots must be a power of two, got {n_slots}")
         if max_chunk < 1:
@@ -106,14 +109,17 @@ class Scheduler:
         self.n_slots, self.budget, self.window_mode = n_slots, max_batched_tokens, window_mode
         self.decode_width = decode_width
         self.batch_buckets = batch_ladder(n_slots, batch_buckets)
+        self.prefill_buckets = (prefill_ladder(self.batch_buckets, prefill_batch_buckets) if window_mode == "aligned"
+                                else self.batch_buckets)
         self.chunk_buckets = chunk_ladder(max(MIN_BUCKET, floor_pow2(max_chunk)), chunk_buckets)
         self.max_chunk = self.chunk_buckets[-1]
 
-    def window(self, slots: Sequence[int]) -> Window:
-        """The smallest window of a batch bucket's rows holding `slots`."""
+    def window(self, slots: Sequence[int], prefill: bool = False) -> Window | None:
+        """The smallest window of a batch bucket's rows (prefill: a prefill bucket's) holding `slots`; None when no
+        prefill bucket is that wide."""
         w = covering_window(slots, self.n_slots, self.window_mode)
-        rows = next(b for b in self.batch_buckets if b >= w.rows)
-        return Window(w.start // rows * rows, rows)
+        rows = next((b for b in (self.prefill_buckets if prefill else self.batch_buckets) if b >= w.rows), None)
+        return None if rows is None else Window(w.start // rows * rows, rows)
 
     def chunk(self, need: int, cap: int) -> int:
         """The chunk bucket for `need` tokens under a cap of `cap`: the smallest holding them within the cap, else the
@@ -133,13 +139,13 @@ class Scheduler:
             return it
         left = self.budget - (it.decode_window.rows * self.decode_width if it.decode_window else 0)
         first = waiting[0]
-        window = self.window([first])
+        window = self.window([first], prefill=True)
         cap = min(self.max_chunk, max(MIN_BUCKET, floor_pow2(max(1, left // window.rows))))
         it.chunk = self.chunk(min(remaining[first], cap), cap)
         it.prefill = {first: min(remaining[first], it.chunk)}
         for i in waiting[1:]:           # younger prompts share the oldest one's chunk length where the budget allows
-            wider = self.window(list(it.prefill) + [i])
-            if wider.rows * it.chunk <= left:
+            wider = self.window(list(it.prefill) + [i], prefill=True)
+            if wider is not None and wider.rows * it.chunk <= left:
                 window = wider
                 it.prefill[i] = min(remaining[i], it.chunk)
         it.prefill_window = window
@@ -148,8 +154,8 @@ class Scheduler:
     def prefill_programs(self) -> list[tuple[int, int]]:
         """Every (rows, chunk) prefill program `schedule` can choose, for warm-up."""
         smallest = self.chunk_buckets[0]
-        return [(n, S) for n in self.decode_programs() for S in self.chunk_buckets
-                if n * S <= max(self.budget, n * smallest)]
+        windows = [self.n_slots] if self.window_mode == "pool" else list(self.prefill_buckets)
+        return [(n, S) for n in windows for S in self.chunk_buckets if n * S <= max(self.budget, n * smallest)]
 
     def decode_programs(self) -> list[int]:
         """Every window size `schedule` can choose (decode and prefill), for warm-up."""
@@ -158,10 +164,15 @@ class Scheduler:
 
 def serving_scheduler(n_slots: int, max_batched_tokens: int, prefill_chunk: int, window_mode: str = "aligned",
                       decode_width: int = 1, batch_buckets: Sequence[int] | None = None,
-                      chunk_buckets: Sequence[int] | None = None) -> Scheduler:
-    """A deployment's Scheduler: its declared ladders, else the serving defaults (buckets.py: every power of two for
-    the batch, buckets.default_chunk_buckets for the chunks)."""
+                      chunk_buckets: Sequence[int] | None = None, prefill_batch_buckets: Sequence[int] | None = None,
+                      platform: str | None = None) -> Scheduler:
+    """A deployment's Scheduler: its declared ladders, else the serving defaults of `platform` (default: JAX's
+    backend; buckets.default_ladders for the batch and prefill windows, buckets.default_chunk_buckets for the
+    chunks). Declared batch buckets without prefill ones prefill at every batch bucket."""
     if chunk_buckets is None:
         chunk_buckets = default_chunk_buckets(max(MIN_BUCKET, floor_pow2(max(1, prefill_chunk))))
+    if batch_buckets is None:
+        batch_buckets, default_prefill = default_ladders(n_slots, platform or jax.default_backend())
+        prefill_batch_buckets = default_prefill if prefill_batch_buckets is None else prefill_batch_buckets
     return Scheduler(n_slots, max_batched_tokens, prefill_chunk, window_mode, decode_width, batch_buckets,
-                     chunk_buckets)
+                     chunk_buckets, prefill_batch_buckets)

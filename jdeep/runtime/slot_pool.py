@@ -89,11 +89,11 @@ class SlotPool:
 
     def snapshot(self, i: int, p: int) -> tuple[object, int]:
         """(snapshot, device bytes) of slot i's device state after p prompt tokens (prefix_snapshot.py)."""
-        return take_snapshot(self.prefix_cache, self.state, self.model.put(np.int32(i)), p)
+        return take_snapshot(self.prefix_cache, self.state, self.model.put(np.int32(i)), p, self.model.put)
 
     def restore(self, i: int, snap) -> None:
         """Write a `snapshot` over slot i's device state."""
-        self.state = restore_snapshot(self.state, snap, self.model.put(np.int32(i)))
+        self.state = restore_snapshot(self.prefix_cache, self.state, snap, self.model.put(np.int32(i)), self.model.put)
 
     # ------------------------------------------------------------------ slots
     @property

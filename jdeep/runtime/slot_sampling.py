@@ -9,7 +9,8 @@ every request.
 
 Programs: the sampler (`sample_window`: the window's penalty rows, the draw, the drawn tokens' logprobs and the counts'
 advance in one program, logit_bias, penalties and logprobs switched by each row's values), one per window size; the
-pool's reset and move programs (one each: a prompt's seen mask is built on the host); and for prompt logprobs, per
+pool's reset and move programs (one each: a prompt's seen mask is built on the host; they run only for penalised
+requests, so the inventory compiles them when the first one comes); and for prompt logprobs, per
 prefill program (rows, S), the step's all-positions variant and one program taking each row's last logits and every
 position's logprobs from it (compiled when a request first asks). The engine's inventory lists them all
 (inventory.serving_programs) and warm-up compiles them (warmup.py).

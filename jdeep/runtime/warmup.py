@@ -20,6 +20,7 @@ import numpy as np
 from ..model.cache import CachedProgram
 from ..model.executables import ExecutableStore
 from .inventory import ProgramSpec, total_programs
+from .prefix_snapshot import warm_snapshot
 from .sampling import SamplingParams, host_batch
 from .scheduler import Window
 from .slot_sampling import chunk_prompt_logprobs
@@ -115,10 +116,7 @@ def warm_plain(runner, spec: ProgramSpec, ctx: WarmContext) -> None:
     elif spec.name == "slots.move":
         pool.move_state(zero, zero)
     elif spec.kind == "snapshot":
-        if spec.name.endswith(".out"):
-            ctx.snapshots[spec.seq] = pool.snapshot(0, spec.seq)[0]
-        else:
-            pool.restore(0, ctx.snapshots.pop(spec.seq))
+        warm_snapshot(pool, spec, ctx.snapshots)
     elif spec.kind == "step":
         S, all_logits = spec.seq, spec.variant == "all_logits"
         logits = runner.run(np.zeros((n, S), np.int32), np.full((n, S), -1, np.int32), Window(0, n), all_logits)

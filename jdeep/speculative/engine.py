@@ -22,7 +22,7 @@ import numpy as np
 from ..model.model import Model
 from ..runtime.engine import Engine
 from ..runtime.inventory import ProgramSpec
-from ..runtime.prefix_snapshot import snapshot_prefills, snapshot_sizes
+from ..runtime.prefix_snapshot import snapshot_block_for, snapshot_prefills
 from ..runtime.runner import Runner, Tokens
 from ..runtime.sampling import SamplingParams, host_batch
 from ..runtime.scheduler import Iteration
@@ -151,7 +151,7 @@ class SpeculativeRunner(Runner):
         window size the decode iteration and per (window size, chunk bucket) the prefill program, each greedy and
         sampled. prompt_logprobs: unused (speculation refuses them)."""
         return drafting_programs(self.scheduler, self.pool.n_slots,
-                                 snapshot_sizes(self.pool.snapshot_block, max_len), self.drafter)
+                                 snapshot_block_for(self.pool.snapshot_block, max_len), self.drafter)
 
     def lowered(self, specs: list[ProgramSpec], drafter_programs=None):
         """Runner.lowered, the drafter's entries through speculative.inventory.drafter_programs."""

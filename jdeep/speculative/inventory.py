@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from ..model.spec import ModelSpec
 from ..plan import build_plan
 from ..runtime.inventory import ProgramSpec, slot_programs
-from ..runtime.prefix_snapshot import prefix_block, snapshot_sizes
+from ..runtime.prefix_snapshot import prefix_block, snapshot_block_for
 from ..runtime.scheduler import Scheduler, serving_scheduler
 from ..runtime.slot_pool import window_mode_for
 from ..runtime.slots import default_batched_tokens
@@ -37,15 +37,16 @@ __all__ = ["DRAFTERS", "drafting_programs", "plan_speculative_inventory", "draft
 DRAFTERS = {"mtp": MtpDrafter, "dspark": DSparkDrafter}    # speculative method -> its drafter class
 
 
-def drafting_programs(sched: Scheduler, n_slots: int, sizes: Sequence[int], drafter: Drafter) -> list[ProgramSpec]:
-    """The speculative engine's inventory, in warm-up order (module docstring); sizes: the prefix cache's snapshot
-    buckets (prefix_snapshot.snapshot_sizes)."""
+def drafting_programs(sched: Scheduler, n_slots: int, snapshot_block: int | None, drafter: Drafter
+                      ) -> list[ProgramSpec]:
+    """The speculative engine's inventory, in warm-up order (module docstring); snapshot_block: the prefix cache's
+    block (None: no snapshots; prefix_snapshot.snapshot_block_for)."""
     k = drafter.k
-    out = [s for s in slot_programs(sched, n_slots, sizes) if s.name != "slots.move"]
+    out = [s for s in slot_programs(sched, n_slots, snapshot_block) if s.name != "slots.move"]
     out.append(ProgramSpec("drafter.reset", "drafter"))
     if sched.window_mode != "pool" and n_slots > 1:
         out.append(ProgramSpec("drafter.move", "drafter"))
-    if sizes:
+    if snapshot_block is not None:
         out += [ProgramSpec("drafter.snapshot.out", "drafter"), ProgramSpec("drafter.snapshot.in", "drafter")]
     for n in sched.decode_programs():
         out += [ProgramSpec(f"b{n}.spec{k}.decode.{v}", "spec.decode", n, k + 1, v, drafter.programs_per_decode)
@@ -66,7 +67,8 @@ def drafter_for_spec(spec: ModelSpec, method: str, k: int) -> Drafter:
 def plan_speculative_inventory(spec: ModelSpec, method: str, k: int, max_num_seqs: int, max_len: int,
                                prefill_chunk: int = 256, max_num_batched_tokens: int | None = None,
                                prefix_cache: bool = True, batch_buckets: Sequence[int] | None = None,
-                               chunk_buckets: Sequence[int] | None = None
+                               chunk_buckets: Sequence[int] | None = None,
+                               prefill_batch_buckets: Sequence[int] | None = None, platform: str | None = None
                                ) -> tuple[list[ProgramSpec], int, int, Drafter]:
     """The SpeculativeEngine's inventory for these serving settings from the spec alone (runtime.inventory's
     plan_inventory for speculation: what `make_engine(model, {"method": method, "num_speculative_tokens": k},
@@ -76,10 +78,11 @@ def plan_speculative_inventory(spec: ModelSpec, method: str, k: int, max_num_seq
     n_slots = batch_bucket(max_num_seqs)
     budget = max_num_batched_tokens or default_batched_tokens(n_slots * width, prefill_chunk)
     mode = drafter.window_mode(window_mode_for(spec.config.engram is not None, mesh=False))
-    sched = serving_scheduler(n_slots, budget, prefill_chunk, mode, width, batch_buckets, chunk_buckets)
+    sched = serving_scheduler(n_slots, budget, prefill_chunk, mode, width, batch_buckets, chunk_buckets,
+                              prefill_batch_buckets, platform)
     state_len = state_length(max_len, width)
-    sizes = snapshot_sizes(prefix_block(spec.config) if prefix_cache else None, max_len)
-    return drafting_programs(sched, n_slots, sizes, drafter), n_slots, state_len, drafter
+    block = snapshot_block_for(prefix_block(spec.config) if prefix_cache else None, max_len)
+    return drafting_programs(sched, n_slots, block, drafter), n_slots, state_len, drafter
 
 
 def drafter_programs(drafter: Drafter, entry: ProgramSpec, params, state, n_slots: int, state_len: int

@@ -51,17 +51,17 @@ def test_warmup_compiles_every_program_serving_reaches(model):
     eng = Engine(model, max_num_seqs=8, max_len=64, prefill_chunk=16)
     state = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(eng.state)]
     # windows 1, 2, 4, 8 x (decode, prefill 16, the sampler: one program whatever the rows ask, logprobs, penalties
-    # or bias), penalty reset and move, slot reset and move: the inventory, each entry one program, is what warm-up
-    # runs; the prompt-logprob variants compile on first use (tests/runtime/test_logprobs_penalties.py)
+    # or bias), slot reset and move: the inventory, each entry one program, is what warm-up runs; the prompt-logprob
+    # variants and the penalty rows' reset and move compile on first use (tests/runtime/test_logprobs_penalties.py)
     programs = [p for p in eng.programs() if not p.first_use]
     assert len({p.name for p in programs}) == len(programs) and all(p.programs == 1 for p in programs)
-    assert {p.kind for p in eng.programs() if p.first_use} == {"step", "prompt_logprobs"}
+    assert {p.kind for p in eng.programs() if p.first_use} == {"step", "prompt_logprobs", "penalties"}
     # warm-up compiles them all ahead of running (in parallel), then runs each without compiling again
     compiles, precompiled = [], []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(event) if event == BACKEND_COMPILE_EVENT else None)
     progress = lambda done, total, secs: precompiled.append(len(compiles)) if done == total else None
-    assert eng.warmup(progress=progress) == len(programs) == 4 * (2 + 1) + 2 + 2
+    assert eng.warmup(progress=progress) == len(programs) == 4 * (2 + 1) + 2
     assert eng.runner.precompiled.programs == len(programs) and not eng.runner.precompiled.failed
     assert precompiled == [len(compiles)]
     for before, after in zip(state, jax.tree_util.tree_leaves(eng.state)):

@@ -153,8 +153,10 @@ def test_v4_restored_state_gives_the_from_scratch_logits(v4):
     scratch, _ = _prefill(v4, v4.init_state(1, MAX_LEN), prompt, [256, 256, 9])
     _, state = _prefill(v4, v4.init_state(1, MAX_LEN), prompt, [128, 128, 256])     # the cache's chunking
     zero = v4.put(np.int32(0))
-    snap, nbytes = take_snapshot(PrefixCache(1 << 30, MAX_LEN), state, zero, 512)
-    fresh = restore_snapshot(v4.init_state(1, MAX_LEN), snap, zero)
+    cache = PrefixCache(1 << 30, MAX_LEN)
+    snap, nbytes = take_snapshot(cache, state, zero, 512, v4.put)
+    assert len(snap.blocks) == 512 // cache.block
+    fresh = restore_snapshot(cache, v4.init_state(1, MAX_LEN), snap, zero, v4.put)
     cached, _ = _prefill(v4, fresh, prompt, [9], start=512)
     np.testing.assert_array_equal(cached, scratch)
     assert nbytes == _snapshot_bytes(state, 512)

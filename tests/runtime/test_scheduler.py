@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jdeep.runtime.scheduler import Scheduler, Window, covering_window
+from jdeep.runtime.buckets import default_ladders
+from jdeep.runtime.scheduler import Scheduler, Window, covering_window, serving_scheduler
 
 
 def test_covering_windows():
@@ -48,7 +49,9 @@ def test_the_oldest_prompt_always_progresses():
 
 
 @pytest.mark.parametrize("mode,ladders", [("aligned", None), ("prefix", None), ("pool", None),
-                                          ("aligned", ((1, 8), (16, 64, 256))), ("prefix", ((2,), (64, 512)))])
+                                          ("aligned", ((1, 8), (16, 64, 256))), ("prefix", ((2,), (64, 512))),
+                                          ("aligned", ((1, 2, 8), (16, 64, 256), (1, 2))),
+                                          ("aligned", ((1, 8), (64, 256), (8,)))])
 def test_random_pools_serve_everyone_within_the_compiled_set(mode, ladders):
     """Every power of two as buckets, or declared ladders (buckets.py): the plans stay within the programs listed."""
     rng = np.random.default_rng(0)
@@ -57,7 +60,8 @@ def test_random_pools_serve_everyone_within_the_compiled_set(mode, ladders):
             sch = Scheduler(8, budget, chunk, mode)
         else:
             sch = Scheduler(8, budget, chunk, mode, batch_buckets=ladders[0],
-                            chunk_buckets=[S for S in ladders[1] if S <= chunk] or None)
+                            chunk_buckets=[S for S in ladders[1] if S <= chunk] or None,
+                            prefill_batch_buckets=ladders[2] if len(ladders) > 2 else None)
         programs = set(sch.prefill_programs())
         decode_programs = set(sch.decode_programs())
         for _ in range(300):
@@ -96,3 +100,33 @@ def test_declared_ladders_pick_the_smallest_bucket_that_holds_the_work():
                       (dict(chunk_buckets=[8]), "at least 16"), (dict(chunk_buckets=[512]), "exceeds")]:
         with pytest.raises(ValueError, match=what):
             Scheduler(8, 264, 256, **bad)
+
+
+def test_prefill_windows_come_from_their_own_ladder():
+    """Prefill batch buckets (a subset of the batch buckets) bound the prefill windows, not the decode ones: two
+    young prompts that would share a 2-row window prefill one per iteration under a 1-row prefill ladder."""
+    sch = Scheduler(8, 8 + 256, 256, batch_buckets=[1, 2, 8], prefill_batch_buckets=[1])
+    assert sch.decode_programs() == [1, 2, 8] and sch.prefill_programs() == [(1, 16), (1, 32), (1, 64), (1, 128),
+                                                                          (1, 256)]
+    it = sch.schedule([0, 0, None, None, 20, 20, None, None])
+    assert it.decode_window == Window(0, 2) and it.prefill_window == Window(4, 1) and it.prefill == {4: 20}
+    wide = Scheduler(8, 8 + 256, 256, batch_buckets=[1, 2, 8])
+    assert wide.schedule([0, 0, None, None, 20, 20, None, None]).prefill == {4: 20, 5: 20}
+    with pytest.raises(ValueError, match="not one of the batch buckets"):
+        Scheduler(8, 264, 256, batch_buckets=[1, 8], prefill_batch_buckets=[2])
+    # a mesh's windows start at slot 0 and an Engram model's take the pool: their prefill uses the batch ladder
+    assert Scheduler(8, 264, 256, "pool", prefill_batch_buckets=[1]).prefill_programs()[0][0] == 8
+
+
+def test_platform_default_ladders():
+    """CPU and GPU: every power of two (None); Neuron: powers of eight and the pool, prefill windows up to 8 rows."""
+    assert default_ladders(8, "cpu") == (None, None) and default_ladders(64, "gpu") == (None, None)
+    assert default_ladders(64, "neuron") == ((1, 8, 64), (1, 8))
+    assert default_ladders(128, "neuron") == ((1, 8, 64, 128), (1, 8))
+    assert default_ladders(4, "neuron") == ((1, 4), (1, 4)) and default_ladders(1, "neuron") == ((1,), (1,))
+    sch = serving_scheduler(64, 64 + 256, 256, platform="neuron")
+    assert sch.decode_programs() == [1, 8, 64] and {n for n, _ in sch.prefill_programs()} == {1, 8}
+    cpu = serving_scheduler(64, 64 + 256, 256, platform="cpu")
+    assert cpu.decode_programs() == [1, 2, 4, 8, 16, 32, 64]
+    declared = serving_scheduler(64, 64 + 256, 256, batch_buckets=[1, 4], platform="neuron")
+    assert declared.batch_buckets == (1, 4, 64) and declared.prefill_buckets == (1, 4, 64)

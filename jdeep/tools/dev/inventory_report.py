@@ -71,19 +71,21 @@ def _programs_per_entry(t: ModelSpec, specs: Sequence[ProgramSpec], n_slots: int
 def count_inventory(t: ModelSpec, max_num_seqs: int, max_len: int, prefill_chunk: int = 256,
                     max_num_batched_tokens: int | None = None, prefix_cache: bool = True,
                     speculative_tokens: int | None = None, batch_buckets: Sequence[int] | None = None,
-                    chunk_buckets: Sequence[int] | None = None) -> InventoryCount:
-    """The inventory `jdeep serve` with these settings runs for a model of spec `t`, counted (no weights, nothing
-    compiled)."""
+                    chunk_buckets: Sequence[int] | None = None, prefill_batch_buckets: Sequence[int] | None = None,
+                    platform: str | None = None) -> InventoryCount:
+    """The inventory `jdeep serve` with these settings runs for a model of spec `t` on `platform` (its default
+    ladders; default JAX's backend), counted (no weights, nothing compiled)."""
     drafter = None
     if speculative_tokens is None:
         specs, n_slots, state_len = plan_inventory(t.config, max_num_seqs, max_len, prefill_chunk,
                                                    max_num_batched_tokens, prefix_cache=prefix_cache,
-                                                   batch_buckets=batch_buckets, chunk_buckets=chunk_buckets)
+                                                   batch_buckets=batch_buckets, chunk_buckets=chunk_buckets,
+                                                   prefill_batch_buckets=prefill_batch_buckets, platform=platform)
     else:
         method = "dspark" if t.config.dspark is not None else "mtp"
         specs, n_slots, state_len, drafter = plan_speculative_inventory(
             t, method, speculative_tokens, max_num_seqs, max_len, prefill_chunk, max_num_batched_tokens, prefix_cache,
-            batch_buckets, chunk_buckets)
+            batch_buckets, chunk_buckets, prefill_batch_buckets, platform)
     settings = {"slots": n_slots, "max_len": max_len, "state_len": state_len, "prefill_chunk": prefill_chunk,
                 "prefix_cache": prefix_cache, "speculative_tokens": speculative_tokens}
     return InventoryCount(t, specs, _programs_per_entry(t, specs, n_slots, state_len, drafter), settings)

@@ -167,7 +167,7 @@ def test_check_graph_and_export_walk_the_engines_program_inventory(tmp_path, cap
     eng = Engine(jdeep.load(path), max_num_seqs=2, max_len=160, prefill_chunk=16, prefix_cache_bytes=1 << 20)
     names = [p.name for p in eng.programs()]
     assert {"slots.reset", "slots.move", "b2.decode", "b1.prefill16", "b1.sample", "penalties.reset",
-            "snapshot128.out", "snapshot256.in",
+            "snapshot.head.out", "snapshot.block.in",
             "b2.prefill16.all_logits", "b2.prompt_logprobs16"} <= set(names)
     settings = ["--model", str(path), "--mode", "scan", "--max-num-seqs", "2", "--max-len", "160", "--prefill-chunk",
                 "16"]
