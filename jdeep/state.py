@@ -50,7 +50,7 @@ from .plan import LayerKind, LayerPlan
 
 __all__ = ["slot_state_shapes", "source_state_shapes", "source_index", "init_state", "empty_state", "empty_slot_state",
            "slot_window", "put_slot_window", "move_slot",
-           "state_bytes", "reset_slots", "zero_slots", "SNAPSHOT_POOLS", "snapshot_head",
+           "state_bytes", "reset_slot", "zero_slots", "SNAPSHOT_POOLS", "snapshot_head",
            "snapshot_block", "restore_head", "restore_block"]
 
 State = dict  # {"segments": list (segments) of list (slots) of dict[str, jax.Array], "sources": dict}
@@ -142,13 +142,19 @@ def empty_state(config: ModelConfig, plan: LayerPlan, batch: int, max_len: int, 
     return {"segments": segments, "sources": sources}
 
 
-def reset_slots(state: State, mask: jax.Array) -> State:
-    """Return the state with the sequences where mask [B] is True reset to empty."""
-    def reset(name, leaf):
-        m = mask.reshape((1, -1) + (1,) * (leaf.ndim - 2))
-        return jnp.where(m, jnp.asarray(_fill(name), leaf.dtype), leaf)
+def reset_slot(state: State, slot: jax.Array) -> State:
+    """The state with sequence slot `slot` (int32 scalar, clamped) reset to empty: every leaf's fill value written over
+    the slot's rows [R, 1, ...] in place (dynamic_update_slice). Only that slot's bytes are written (a select over a
+    mask of slots reads and writes the whole state), and the donated state is updated in place, as Neuron's
+    compile-safety rule S20 asks. One program resets any slot; a batch of admissions calls it once per slot."""
+    B = jax.tree_util.tree_leaves(state)[0].shape[1]
+    slot = jnp.clip(jnp.asarray(slot, jnp.int32), 0, B - 1)
 
-    return {"segments": [[{k: reset(k, v) for k, v in slot.items()} for slot in seg] for seg in state["segments"]],
+    def reset(name, leaf):
+        row = jnp.full((leaf.shape[0], 1) + leaf.shape[2:], _fill(name), leaf.dtype)
+        return jax.lax.dynamic_update_slice(leaf, row, (0, slot) + (0,) * (leaf.ndim - 2))
+
+    return {"segments": [[{k: reset(k, v) for k, v in d.items()} for d in seg] for seg in state["segments"]],
             "sources": {key: {k: reset(k, v) for k, v in d.items()} for key, d in state["sources"].items()}}
 
 

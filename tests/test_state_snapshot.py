@@ -104,3 +104,19 @@ def test_block_entries_follow_the_compress_ratio():
     far, end = (last(state, jnp.int32(0), jnp.int32(k), block=BLOCK, max_len=MAX_LEN) for k in (99, MAX_LEN // BLOCK - 1))
     for a, b in zip(jax.tree_util.tree_leaves(far), jax.tree_util.tree_leaves(end)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_reset_slot_empties_one_slot_in_place():
+    """state.reset_slot writes the fill values (0; -inf for the gate scores) over one slot's rows of every leaf and
+    leaves the other slots as they were; the index is clamped into the slots."""
+    from jdeep.state import reset_slot
+    config = ModelConfig.from_dict(tiny_v41_config())
+    state = _random_state(config, 3)
+    before = _named_leaves(state)
+    after = _named_leaves(jax.jit(reset_slot, donate_argnums=(0,))(state, jnp.int32(2)))
+    for (name, b), (_, a) in zip(before, after):
+        want = b.copy()
+        want[:, 2] = -np.inf if name.endswith("score") else 0
+        np.testing.assert_array_equal(a, want)
+    last = _named_leaves(jax.jit(reset_slot)(_random_state(config, 3), jnp.int32(99)))
+    assert all(np.all(a[:, BATCH - 1] == (-np.inf if n.endswith("score") else 0)) for n, a in last)

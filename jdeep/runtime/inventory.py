@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from ..model.cache import PROGRAMS
-from ..state import move_slot, reset_slots
+from ..state import move_slot, reset_slot
 from .prefix_snapshot import SNAPSHOT_PROGRAMS, prefix_block, snapshot_block_for, snapshot_programs
 from .sampling import PenaltyState, abstract_batch
 from .scheduler import Scheduler, serving_scheduler
@@ -116,7 +116,7 @@ def abstract_program(spec: ProgramSpec, state: Any, vocab: int, n_slots: int, st
     i32, n = a((), jnp.int32), spec.rows
     pen = PenaltyState(a((n_slots, vocab), jnp.int32), a((n_slots, vocab), jnp.bool_))
     if spec.name == "slots.reset":
-        return PROGRAMS.jit(reset_slots, donate_argnums=(0,)), (state, a((n_slots,), jnp.bool_)), {}
+        return PROGRAMS.jit(reset_slot, donate_argnums=(0,)), (state, i32), {}
     if spec.name == "slots.move":
         return PROGRAMS.jit(move_slot, donate_argnums=(0,)), (state, i32, i32), {}
     if spec.kind == "snapshot":

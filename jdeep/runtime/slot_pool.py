@@ -8,7 +8,7 @@ cache's snapshots of it (`prefix_cache`, prefix_snapshot.py). Admission resets a
 slots admitted together), compaction moves the highest slots down so the smallest window holds the running requests
 (one program per moved slot), and a window's prefill chunk is packed from its slots' prompts here.
 
-Device programs: reset_slots, move_state, snapshot and restore, one each per shape. A speculative engine's pool
+Device programs: the slot reset (per slot), move_state, the snapshot copies, one each per shape. A speculative engine's pool
 (speculative/engine.DraftingSlotPool) overrides those four to carry its drafter's per-slot state along.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from ..model.cache import PROGRAMS
 from ..model.model import Model
-from ..state import move_slot, reset_slots
+from ..state import move_slot, reset_slot
 from .prefix_cache import PrefixCache
 from .prefix_snapshot import admit_cached, cut_at_targets, prefix_cache_for, restore_snapshot, take_snapshot
 from .sampling import SamplingBatch, SamplingParams, host_batch
@@ -80,8 +80,11 @@ class SlotPool:
         jax.block_until_ready((self.state, self.penalties.state))
 
     def reset_slots(self, mask: np.ndarray) -> None:
-        """Empty the device state of the slots where mask [n_slots] is True (one program; the state donated)."""
-        self.state = PROGRAMS.jit(reset_slots, donate_argnums=(0,))(self.state, self.model.put(mask))
+        """Empty the device state of the slots where mask [n_slots] is True (state.reset_slot: one program, called
+        once per slot, writing only that slot's rows; the state donated)."""
+        reset = PROGRAMS.jit(reset_slot, donate_argnums=(0,))
+        for i in np.flatnonzero(mask):
+            self.state = reset(self.state, self.model.put(np.int32(i)))
 
     def move_state(self, src: jax.Array, dst: jax.Array) -> None:
         """Copy slot src's device state over slot dst (int32 scalars placed on the device; the state donated)."""

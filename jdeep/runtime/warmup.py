@@ -112,7 +112,11 @@ def warm_plain(runner, spec: ProgramSpec, ctx: WarmContext) -> None:
     pool, model, n = runner.pool, runner.model, spec.rows
     zero = model.put(np.int32(0))
     if spec.name == "slots.reset":
-        pool.reset_slots(np.zeros(pool.n_slots, bool))
+        free = pool.free_slots()
+        if free:            # a free slot is reset again when a request takes it: resetting it now changes nothing
+            mask = np.zeros(pool.n_slots, bool)
+            mask[free[-1]] = True
+            pool.reset_slots(mask)
     elif spec.name == "slots.move":
         pool.move_state(zero, zero)
     elif spec.kind == "snapshot":
