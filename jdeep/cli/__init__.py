@@ -15,7 +15,8 @@ from ..tools.dev.programs import SERVING_BATCH_SIZES, SERVING_PREFILL_LEN, SERVI
 from .args import (BARE, RUNTIME, add_bucket_args, add_graph_args, add_load_args, add_process_args, add_sampling_args,
                    add_speculative_arg, init_distributed, parse_bytes, setup_compile_cache)
 from .chat import cmd_chat
-from .commands import cmd_bench, cmd_check_graph, cmd_convert, cmd_demo, cmd_eval, cmd_export, cmd_generate, cmd_info
+from .commands import cmd_bench, cmd_convert, cmd_demo, cmd_eval, cmd_generate, cmd_info
+from .programs import cmd_check_graph, cmd_export
 from .doctor import add_doctor_parser
 from .serve import cmd_compile, cmd_serve
 
