@@ -47,6 +47,20 @@ def test_missing_model_folder_is_a_clear_error(tmp_path, capsys):
     assert "config.json" in capsys.readouterr().err
 
 
+def test_bad_bucket_ladders_fail_before_the_model_loads(monkeypatch, capsys):
+    """serve (and compile: the same serving_engine) checks --batch-buckets, --prefill-batch-buckets and
+    --chunk-buckets against the slots and the longest chunk before loading the checkpoint, naming the bucket."""
+    import jdeep.cli.serve as serve_cli
+    monkeypatch.setattr(serve_cli, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    demo = str(jdeep.cli.commands.DEMO_MODEL)
+    for cmd, flags, what in [("serve", ["--prefill-batch-buckets", "2", "--batch-buckets", "1,4"],
+                              "prefill batch bucket 2"),
+                             ("serve", ["--batch-buckets", "16"], "batch bucket 16 exceeds"),
+                             ("serve", ["--chunk-buckets", "512"], "chunk bucket 512 exceeds")]:
+        assert main([cmd, "--model", demo, *flags]) == 2, (cmd, flags)
+        assert what in capsys.readouterr().err
+
+
 def test_info_reports_v41_flash_sizes(capsys):
     assert main(["info", "--preset", "v41-flash", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out

@@ -19,7 +19,9 @@ import jax
 from .. import __version__, load
 from ..io.tokenizer import Tokenizer
 from ..runtime.engine import Engine
-from ..runtime.steps import MIN_BUCKET
+from ..runtime.buckets import batch_ladder, chunk_ladder, prefill_ladder
+from ..runtime.scheduler import floor_pow2
+from ..runtime.steps import MIN_BUCKET, batch_bucket
 from ..serve.lockstep import DistributedStore, Lockstep, MeshFailure, follow
 from ..serve.server import ServerSettings, serve
 from ..speculative.engine import make_engine
@@ -120,8 +122,19 @@ def _warmup_report():
     return report
 
 
+def _check_ladders(args: argparse.Namespace) -> None:
+    """The declared bucket ladders checked against the slots and the longest chunk before the model loads (a large
+    checkpoint takes minutes to load; a flag error should not wait for it). ValueError naming the bucket."""
+    if args.max_num_seqs < 1 or args.prefill_chunk < 1:
+        return                      # (the Engine names these)
+    batch = batch_ladder(batch_bucket(args.max_num_seqs), args.batch_buckets)
+    prefill_ladder(batch, args.prefill_batch_buckets)
+    chunk_ladder(max(MIN_BUCKET, floor_pow2(args.prefill_chunk)), args.chunk_buckets)
+
+
 def serving_engine(args: argparse.Namespace) -> Engine:
     """The engine `jdeep serve` (and `jdeep compile`) builds from its flags: the model loaded, its tokenizer."""
+    _check_ladders(args)
     model = load(args.model, **load_kwargs(args, progress=True, mtp=args.speculative_config is not None))
     tokenizer = Tokenizer(args.tokenizer) if getattr(args, "tokenizer", None) else model.tokenizer
     return make_engine(model, args.speculative_config, max_num_seqs=args.max_num_seqs, max_len=args.max_len,
