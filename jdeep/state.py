@@ -147,15 +147,13 @@ def reset_slot(state: State, slot: jax.Array) -> State:
     the slot's rows [R, 1, ...] in place (dynamic_update_slice). Only that slot's bytes are written (a select over a
     mask of slots reads and writes the whole state), and the donated state is updated in place, as Neuron's
     compile-safety rule S20 asks. One program resets any slot; a batch of admissions calls it once per slot."""
-    B = jax.tree_util.tree_leaves(state)[0].shape[1]
-    slot = jnp.clip(jnp.asarray(slot, jnp.int32), 0, B - 1)
+    slot = _slot_index(state, slot)
 
     def reset(name, leaf):
         row = jnp.full((leaf.shape[0], 1) + leaf.shape[2:], _fill(name), leaf.dtype)
         return jax.lax.dynamic_update_slice(leaf, row, (0, slot) + (0,) * (leaf.ndim - 2))
 
-    return {"segments": [[{k: reset(k, v) for k, v in d.items()} for d in seg] for seg in state["segments"]],
-            "sources": {key: {k: reset(k, v) for k, v in d.items()} for key, d in state["sources"].items()}}
+    return _select_named(state, lambda name: True, reset)
 
 
 def zero_slots(tree: Any, mask: jax.Array) -> Any:
@@ -192,21 +190,26 @@ def put_slot_window(state: Any, window: Any, start: Any = None) -> Any:
 def move_slot(state: State, src: jax.Array, dst: jax.Array) -> State:
     """The state with slot `src`'s rows copied over slot `dst` (int32 scalars, clamped): how a sequence moves to a
     lower slot when the engine compacts its pool. `src` keeps its rows (the caller treats it as free)."""
-    B = jax.tree_util.tree_leaves(state)[0].shape[1]
-    src, dst = (jnp.clip(jnp.asarray(i, jnp.int32), 0, B - 1) for i in (src, dst))
+    src, dst = _slot_index(state, src), _slot_index(state, dst)
     return jax.tree_util.tree_map(
         lambda a: jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, src, 1, axis=1), dst, axis=1),
         state)
 
 
-def _pool_entries(name: str, a: jax.Array, block: int, max_len: int) -> int:
+def _pool_entries(a: jax.Array, block: int, max_len: int) -> int:
     """Entries of pool leaf `a` ([R, B, Tc + 1, ...], Tc = max_len // m) one block of `block` tokens holds."""
     return max(1, block // (max_len // (a.shape[2] - 1)))
 
 
 def _slot_index(state: State, slot: jax.Array) -> jax.Array:
+    """A slot index (int32 scalar, traced) clamped into the state's B slots (Neuron's rule S12)."""
     B = jax.tree_util.tree_leaves(state)[0].shape[1]
     return jnp.clip(jnp.asarray(slot, jnp.int32), 0, B - 1)
+
+
+def _block_index(index: jax.Array, block: int, max_len: int) -> jax.Array:
+    """A snapshot block index clamped into the state's max_len // block blocks."""
+    return jnp.clip(jnp.asarray(index, jnp.int32), 0, max(1, max_len // block) - 1)
 
 
 def snapshot_head(state: State, slot: jax.Array) -> State:
@@ -226,11 +229,10 @@ def snapshot_block(state: State, slot: jax.Array, index: jax.Array, block: int, 
     is its head and p // block blocks. slot, index: int32 scalars (traced, clamped into the slots and the state's
     max_len // block blocks); block (tokens, a multiple of every compress ratio), max_len (the state's length):
     static."""
-    slot = _slot_index(state, slot)
-    index = jnp.clip(jnp.asarray(index, jnp.int32), 0, max(1, max_len // block) - 1)
+    slot, index = _slot_index(state, slot), _block_index(index, block, max_len)
 
     def cut(name, a):
-        n = _pool_entries(name, a, block, max_len)
+        n = _pool_entries(a, block, max_len)
         row = jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)
         return jax.lax.dynamic_slice_in_dim(row, index * n, n, axis=2)
 
@@ -249,8 +251,7 @@ def restore_block(state: State, blk: State, slot: jax.Array, index: jax.Array, b
     """`state` with block `index` of a snapshot (snapshot_block, same block and max_len) written over slot `slot`'s
     pool entries; pool entries of other blocks keep what the slot holds (a freshly reset slot: their reset values).
     In place when the state is donated."""
-    slot = _slot_index(state, slot)
-    index = jnp.clip(jnp.asarray(index, jnp.int32), 0, max(1, max_len // block) - 1)
+    slot, index = _slot_index(state, slot), _block_index(index, block, max_len)
     return _update_named(state, blk, lambda a, b: jax.lax.dynamic_update_slice(
         a, b, (0, slot, index * b.shape[2]) + (0,) * (a.ndim - 3)))
 
