@@ -144,3 +144,42 @@ def _release_compiled_programs():
     PROGRAMS.clear()
     jax.clear_caches()
     gc.collect()
+
+
+# ------------------------------------------------------------------ where a test's time goes: JAX's compile events
+_JAX_SECONDS = {"/jax/core/compile/jaxpr_trace_duration": "jax_trace_s",
+                "/jax/core/compile/jaxpr_to_mlir_module_duration": "jax_lower_s",
+                "/jax/core/compile/backend_compile_duration": "jax_compile_s"}
+_jax_totals = dict.fromkeys(_JAX_SECONDS.values(), 0.0) | {"jax_compiles": 0}
+
+
+def _on_jax_duration(event: str, duration: float, **kwargs) -> None:
+    name = _JAX_SECONDS.get(event)
+    if name is not None:
+        _jax_totals[name] += duration
+        _jax_totals["jax_compiles"] += name == "jax_compile_s"
+
+
+def pytest_sessionstart(session):
+    import jax
+
+    jax.monitoring.register_event_duration_secs_listener(_on_jax_duration)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's tracing, lowering and XLA compile seconds and its number of backend compiles, in its setup, call
+    and teardown (module fixtures' compiles count for the first test that uses them), recorded as junit properties
+    for scripts/suite_report.py: the compile-vs-run split of the suite's time. (Compiles in threads a test starts
+    count for whichever test is running.)"""
+    item._jdeep_jax_before = dict(_jax_totals)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    if call.when == "teardown" and hasattr(item, "_jdeep_jax_before"):
+        before = item.__dict__.pop("_jdeep_jax_before")
+        for name, total in _jax_totals.items():
+            item.user_properties.append((name, round(total - before[name], 3)))
+    yield

@@ -1,9 +1,12 @@
 """Run in a subprocess with 8 CPU devices by tests/test_sharding.py (JAX fixes its device count at import):
 
-    python tests/mesh_worker.py OUT.json GOLDEN_DIR TMP_DIR [slow]
+    python tests/mesh_worker.py OUT.json GOLDEN_DIR TMP_DIR [default|full]
 
 Compares sharded models against the single-device run of the same checkpoint and writes what it measured
-as JSON; the test asserts on it. Nothing here decides pass or fail."""
+as JSON; the test asserts on it. Nothing here decides pass or fail. The last argument picks the test tier
+(the pytest marker `full`): `default` (the default) runs the default run's one mesh shape, data=2 x expert=4
+(DEFAULT_MESH); `full` runs the full tier's other shapes (expert=8 and tensor=2 x expert=4) and nothing of the
+default set, so each tier's fixture pays only for its own runs."""
 
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ from jdeep.tools.testing.random_weights import random_checkpoint  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 33, 100, 7, 3, 250, 17], [4, 8, 15, 16, 23, 42]]
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")
+DEFAULT_MESH = "data=2,expert=4"                    # the default run's one mesh shape
+FULL_MESHES = ("expert=8", "tensor=2,expert=4")     # the full tier's other shapes
+TIERS = ("default", "full")
 
 
 def compare(folder: str, meshes: list[str], forward_on: tuple[str, ...] = (), generate: bool = True,
@@ -142,14 +148,25 @@ class _CountingView:
 
 def main() -> None:
     out_path, golden, tmp = sys.argv[1:4]
-    slow = len(sys.argv) > 4 and sys.argv[4] == "slow"
+    tier = sys.argv[4] if len(sys.argv) > 4 else "default"
+    if tier not in TIERS:
+        raise SystemExit(f"mesh_worker: the tier must be one of {TIERS}, not {tier!r}")
     hf = os.path.join(golden, "v4-tiny-hf")
+    if tier == "full":
+        tq = FULL_MESHES[1]
+        result = {
+            "v4-tiny-hf": compare(hf, list(FULL_MESHES)),
+            "v4-tiny-q": compare(os.path.join(golden, "v4-tiny-q"), [tq], generate=False, forward_on=(tq,)),
+            "reads": {tq: bytes_read(hf, tq)},
+            "v41-tiny-q": compare(os.path.join(golden, "v41-tiny-q"), [tq]),
+        }
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+        return
     result = {
-        "v4-tiny-hf": compare(hf, ["expert=8", "tensor=2,expert=4", "data=2,expert=4"]),
-        "v4-tiny-q": compare(os.path.join(golden, "v4-tiny-q"), ["tensor=2,expert=4"], generate=False,
-                             forward_on=("tensor=2,expert=4",)),
-        "lowered": lowered_collectives(hf, "data=2,expert=4"),
-        "reads": bytes_read(hf, "tensor=2,expert=4"),
+        "v4-tiny-hf": compare(hf, [DEFAULT_MESH]),
+        "lowered": lowered_collectives(hf, DEFAULT_MESH),
+        "reads": {DEFAULT_MESH: bytes_read(hf, DEFAULT_MESH)},
     }
     # a one-layer model (CSA with indexer, top-k MoE: cheap to compile) with 10 routed experts over expert=4:
     # padded to 12 with zero experts; 3 per shard (more than the 2 a token picks) runs the per-pair kernels on
@@ -158,10 +175,8 @@ def main() -> None:
     random_checkpoint(one_layer_config(n_routed_experts=10), odd, seed=21)
     result["padded"] = compare(odd, ["expert=4,data=2"], forward_on=("expert=4,data=2",), regions=True)
     result["local_ops"] = {name: _local_ops(path, mesh) for name, path, mesh in (
-        ("v4-tiny-hf", hf, "data=2,expert=4"), ("padded", odd, "expert=4,data=2"))}
-    result["speculative"] = speculative("data=2,expert=4")
-    if slow:
-        result["v41-tiny-q"] = compare(os.path.join(golden, "v41-tiny-q"), ["tensor=2,expert=4"])
+        ("v4-tiny-hf", hf, DEFAULT_MESH), ("padded", odd, "expert=4,data=2"))}
+    result["speculative"] = speculative(DEFAULT_MESH)
     with open(out_path, "w") as f:
         json.dump(result, f)
 

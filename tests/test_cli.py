@@ -6,6 +6,7 @@ import json
 import re
 
 import numpy as np
+import pytest
 
 import jdeep
 from jdeep import SamplingParams
@@ -82,7 +83,12 @@ def test_convert_refuses_engram_models(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.full
 def test_golden_generate_prints_the_api_tokens(capsys):
+    """`jdeep generate` on the v4-tiny-hf golden prints jdeep.generate's tokens.
+
+    Full tier: tests/test_cli.py::test_generate_prints_the_same_tokens_as_the_api covers `jdeep generate
+    --prompt-ids` (load, greedy generate, the printed JSON tokens against the API's) in the default run."""
     from conftest import golden_path
 
     folder = golden_path("v4-tiny-hf")
@@ -114,8 +120,13 @@ def test_prompts_file_through_the_engine(tmp_path, capsys):
     assert all(r["finish_reason"] in ("stop", "length") for r in recs)
 
 
+@pytest.mark.full
 def test_persistent_compile_cache(tmp_path):
-    """In a fresh process (JAX sets its cache up at the first compilation of a process)."""
+    """In a fresh process (JAX sets its cache up at the first compilation of a process).
+
+    Full tier: tests/test_cli.py::test_cached_cli_run_prints_no_xla_errors covers --compile-cache in a fresh CLI
+    process (cli.main -> setup_compile_cache -> compile_cache.enable, the same for every command): the first run
+    writes the programs there and the second reads them back, in the default run."""
     import os
     import subprocess
     import sys
@@ -158,7 +169,12 @@ def test_compile_cache_xla_flags_keep_the_users_own():
     assert cache_xla_flags("--xla_dump_to=d", "aarch64") == "--xla_dump_to=d"                   # no AVX-512 there
 
 
+@pytest.mark.full
 def test_chat_streams_the_reply(tmp_path, monkeypatch, capsys):
+    """`jdeep chat` on a tiny V4 with a word tokenizer streams the reply jdeep.generate gives for the chat prompt.
+
+    Full tier: tests/test_cli.py::test_chat_with_an_image covers `jdeep chat` (the stdin loop, the chat prompt's
+    encoding, the streamed reply equal to jdeep.generate's, /exit) in the default run."""
     import io
 
     from jdeep.io.tokenizer import Tokenizer

@@ -9,6 +9,9 @@ activations, fp8/fp4 checkpoint) through the real loader.
   the compressed token map.
 - The released V4.1 code's decode defect (index keys published by the wrong source, REFERENCE.md item 7):
   jdeep's cached decode follows the intended behaviour and equals a no-cache forward.
+
+The layer-stream comparison is in the full tier (`pytest -m full`); its docstring names the default-run test of
+its path.
 """
 
 from __future__ import annotations
@@ -161,7 +164,14 @@ def test_released_decode_defect_is_not_reproduced(quant, teacher_forced):
     assert np.median(ours) < 0.1 * np.median(released)   # ... and jdeep does not have it
 
 
+@pytest.mark.full
 def test_layer_streams(quant, streams):
+    """The stream after every block and after each Engram update (model_step with streams=True) vs
+    layer_streams.npz: tight before the reference's first noise-sensitive position.
+
+    Full tier: tests/test_golden_v41_q.py::test_deepseek_numerics_teacher_forced covers every block and both Engram
+    layers of v41-tiny-q in DeepSeek's numerics end to end (tight on the rows before the first noise-sensitive
+    position) against the reference in the default run."""
     model, ref = quant
     step = jax.jit(functools.partial(model_step, config=model.config, plan=model.plan, numerics=model.numerics,
                                      all_logits=True, streams=True))

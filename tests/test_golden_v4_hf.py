@@ -1,6 +1,9 @@
 """End-to-end parity with ../shared/golden/v4-tiny-hf (transformers 5.23 DeepseekV4ForCausalLM, fp32),
 loaded through the real loader. Criteria of the core issue: greedy tokens equal, every step's logits
-and the no-cache forward within 1e-3; ragged batch == one by one; chunked prefill == one shot."""
+and the no-cache forward within 1e-3; ragged batch == one by one; chunked prefill == one shot. The default run
+keeps the comparisons against the reference (no-cache forward, greedy tokens and step logits); the batch and
+chunking variants are in the full tier (`pytest -m full`), their docstrings name the default-run tests of their
+paths."""
 
 from __future__ import annotations
 
@@ -45,7 +48,15 @@ def test_greedy_and_step_logits_one_by_one(golden, solo_runs):
         np.testing.assert_allclose(out.logits[0], ref[f"logits_{i}"], atol=TOL, rtol=0, err_msg=f"prompt {i}")
 
 
+@pytest.mark.full
 def test_ragged_batch_equals_one_by_one(golden, solo_runs):
+    """The three prompts as one ragged batch give the one-by-one runs' tokens and logits (and the reference's tokens).
+
+    Full tier: tests/runtime/test_generate.py::test_per_request_lengths_and_alone_equals_batch covers jdeep.generate's
+    ragged batch equal to each request alone, tests/model/test_model.py::test_decode_and_chunked_prefill_equal_forward
+    a V4 ragged batch's cached logits equal to a no-cache forward, and
+    tests/test_golden_v4_hf.py::test_greedy_and_step_logits_one_by_one v4-tiny-hf's generate against the reference,
+    in the default run."""
     model, ref, n = golden
     out = jdeep.generate(model, [ref[f"prompt_{i}"] for i in range(n)], max_new_tokens=16, return_logits=True)
     for i in range(n):
@@ -54,7 +65,14 @@ def test_ragged_batch_equals_one_by_one(golden, solo_runs):
         np.testing.assert_array_equal(out.tokens[i], ref[f"greedy_{i}"])
 
 
+@pytest.mark.full
 def test_chunked_prefill_equals_one_shot(golden, solo_runs):
+    """Prefill in three chunks gives the one-shot prefill's tokens and logits.
+
+    Full tier: tests/model/test_model.py::test_decode_and_chunked_prefill_equal_forward covers chunked prefill (chunks
+    of 8) and decode of a V4 model with compressed layers equal to a no-cache forward, and
+    tests/test_golden_v4_hf.py::test_greedy_and_step_logits_one_by_one v4-tiny-hf's prefill and decode against the
+    reference, in the default run."""
     model, ref, n = golden
     for i in range(n):
         prompt = ref[f"prompt_{i}"]

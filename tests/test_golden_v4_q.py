@@ -7,6 +7,10 @@ checkpoint) through the real loader.
 - layer_streams.npz: every block replayed on the recorded inputs; deviations beyond float rounding must
   sit at a quantisation discontinuity (jdeep's own output jumps there under a 1e-6 relative input
   perturbation, the size of a summation-order difference), i.e. a quantisation flip explains them.
+
+The default run keeps the core comparison in DeepSeek's numerics (teacher-forced prompt rows against
+full_logits and decode rows along the greedy tokens); the noquant variants, the uncached forward and the layer
+streams are in the full tier (`pytest -m full`): each docstring names the default-run test of its path.
 """
 
 from __future__ import annotations
@@ -52,7 +56,13 @@ def test_weights_stay_quantized(folder):
     assert np.array_equal(wo_a, wo_a.astype("bfloat16").astype(np.float32))
 
 
+@pytest.mark.full
 def test_noquant_forward(noquant):
+    """quantize_activations=False: every position's logits of a no-cache forward vs reference_noquant.npz.
+
+    Full tier: tests/test_golden_v4_hf.py::test_forward_matches_full_logits covers the float-activation no-cache
+    forward against a reference, and tests/test_golden_v4_q.py::test_deepseek_numerics_teacher_forced the loading and
+    decoding of v4-tiny-q's fp8/fp4 weights, in the default run."""
     model, ref = noquant
     n = _n_prompts(ref)
     pad = max(len(ref[f"prompt_{i}"]) for i in range(n))
@@ -61,7 +71,14 @@ def test_noquant_forward(noquant):
                                    atol=TOL, rtol=0, err_msg=f"prompt {i}")
 
 
+@pytest.mark.full
 def test_noquant_greedy_and_logits(noquant):
+    """quantize_activations=False: greedy tokens and every step's logits of a ragged batch vs reference_noquant.npz.
+
+    Full tier: tests/test_golden_v4_hf.py::test_greedy_and_step_logits_one_by_one covers float-activation greedy
+    generate (prefill and decode) against a reference's tokens and step logits, and
+    tests/test_golden_v4_q.py::test_deepseek_numerics_teacher_forced the cached prefill and decode of v4-tiny-q's
+    fp8/fp4 weights, in the default run."""
     model, ref = noquant
     n = _n_prompts(ref)
     out = jdeep.generate(model, [ref[f"prompt_{i}"] for i in range(n)], max_new_tokens=16, return_logits=True)
@@ -95,16 +112,26 @@ def test_deepseek_numerics_teacher_forced(quant):
         assert med >= 0.99 and p25 >= 0.97, (i, med, p25)
 
 
+@pytest.mark.full
 def test_deepseek_numerics_uncached_forward(quant):
-    """The no-cache path on the longest prompt: prompt rows vs full_logits."""
+    """The no-cache path on the longest prompt: prompt rows vs full_logits.
+
+    Full tier: tests/test_golden_v4_q.py::test_deepseek_numerics_teacher_forced covers v4-tiny-q's every prompt row
+    against full_logits in DeepSeek's numerics (through the cached prefill), and
+    tests/test_quantized.py::test_fp8_max_240_load_decodes_to_the_same_weights the no-cache forward program
+    (jdeep.forward) in DeepSeek's numerics on an fp8/fp4 V4 checkpoint, in the default run."""
     model, ref = quant
     i = max(range(_n_prompts(ref)), key=lambda i: len(ref[f"prompt_{i}"]))
     med, p25 = _stats(row_cosine(jdeep.forward(model, ref[f"prompt_{i}"]), ref[f"full_logits_{i}"]))
     assert med >= 0.99 and p25 >= 0.97, (i, med, p25)
 
 
+@pytest.mark.full
 def test_float_activations_are_not_deepseeks_numerics(noquant, quant):
-    """The criterion has teeth: float activations (transformers' numerics) miss the quantised reference."""
+    """The criterion has teeth: float activations (transformers' numerics) miss the quantised reference.
+
+    Full tier: tests/test_golden_v4_q.py::test_deepseek_numerics_teacher_forced covers the teacher-forced cosine
+    criterion (teacher_forced_logits, row_cosine) on v4-tiny-q in the default run."""
     _, ref = quant
     model, _ = noquant
     worst = min(_stats(_teacher_forced_cosines(model, ref, i))[0] for i in (1, 2))
@@ -162,10 +189,19 @@ def _check_layer_streams(folder, quant, prompts):
     print("\n".join(report))
 
 
+@pytest.mark.full
 def test_layer_streams_short_prompts(folder, quant):
+    """Every block replayed on the recorded inputs of prompts 0 and 1 (see _check_layer_streams).
+
+    Full tier: tests/test_golden_v4_q.py::test_deepseek_numerics_teacher_forced covers every block of v4-tiny-q in
+    DeepSeek's numerics end to end against the reference in the default run."""
     _check_layer_streams(folder, quant, [0, 1])
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_layer_streams_long_prompts(folder, quant):
+    """Every block replayed on the recorded inputs of prompts 2 and 3 (see _check_layer_streams).
+
+    Full tier: tests/test_golden_v4_q.py::test_deepseek_numerics_teacher_forced covers every block of v4-tiny-q in
+    DeepSeek's numerics end to end against the reference in the default run."""
     _check_layer_streams(folder, quant, [2, 3])

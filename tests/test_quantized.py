@@ -31,9 +31,14 @@ def qfolder(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.full)])
 def test_packed_kv_records_are_bit_identical(qfolder, dtype):
-    """The float32 variant is slow-marked: test_kv_record_round_trip covers its record format."""
+    """Packed KV records give the float caches' logits and tokens bit for bit (ragged batch: prefill, then decode),
+    in a smaller state. The float32 variant is in the full tier.
+
+    Full tier: tests/test_quantized.py::test_packed_kv_records_are_bit_identical[bfloat16] covers the packed-KV
+    model path (records written and read in prefill and decode) and tests/test_quantized.py::test_kv_record_round_trip
+    covers the float32 record format (fp32 rope bytes), in the default run."""
     flt = jdeep.load(qfolder, dtype=dtype)
     packed = jdeep.load(qfolder, dtype=dtype, packed_kv=True)
     a = jdeep.generate(flt, PROMPTS, max_new_tokens=12, return_logits=True)

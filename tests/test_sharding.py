@@ -1,7 +1,9 @@
 """Sharding over a device mesh (jdeep/sharding.py, the expert-parallel MoE, per-shard loading, multi-process).
 
 The mesh runs need several devices, which JAX fixes when it is imported: they run in subprocesses with
-8 CPU devices (tests/mesh_worker.py) or as 2 processes x 4 CPU devices joined by jax.distributed."""
+8 CPU devices (tests/mesh_worker.py) or as 2 processes x 4 CPU devices joined by jax.distributed. The default run
+uses one 8-device mesh shape, data=2 x expert=4 (DEFAULT_MESH); the full tier (`pytest -m full`) adds expert=8 and
+tensor=2 x expert=4, measured by a second worker run (`mesh_worker.py ... full`)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from jdeep.sharding import AXES, Layout, make_mesh, parse_mesh
 from jdeep.tools.testing.random_weights import random_checkpoint
 
 TOL = 1e-4   # float32 logits, sharded vs single device (the issue's bound)
+DEFAULT_MESH = "data=2,expert=4"   # the default run's one 8-device mesh shape (mesh_worker.DEFAULT_MESH)
 
 
 # ---------------------------------------------------------------------------- rules (no devices needed)
@@ -99,23 +102,49 @@ def test_load_rejects_mesh_with_single_device_features():
 
 
 # ---------------------------------------------------------------------------- 8 CPU devices
-@pytest.fixture(scope="module")
-def mesh_runs(tmp_path_factory):
-    golden_path("v4-tiny-hf")
-    golden_path("v4-tiny-q")
-    tmp = tmp_path_factory.mktemp("mesh")
+def _mesh_worker(tmp_path_factory, tier: str, goldens: tuple[str, ...]) -> dict:
+    """tests/mesh_worker.py's measurements for one test tier ("default": DEFAULT_MESH; "full": the other shapes)."""
+    for name in goldens:
+        golden_path(name)
+    tmp = tmp_path_factory.mktemp(f"mesh-{tier}")
     out = tmp / "out.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run([sys.executable, str(REPO / "tests" / "mesh_worker.py"), str(out), str(GOLDEN_DIR), str(tmp)],
-                         env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "mesh_worker.py"), str(out), str(GOLDEN_DIR), str(tmp),
+                          tier], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("mesh", ["expert=8", "tensor=2,expert=4", "data=2,expert=4"])
-def test_sharded_logits_equal_single_device(mesh_runs, mesh):
-    """v4-tiny-hf (8 experts divide every expert axis here): chunked prefill and decode of a ragged batch."""
-    r = mesh_runs["v4-tiny-hf"][mesh]
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+    """The default run's mesh measurements: every run over DEFAULT_MESH."""
+    return _mesh_worker(tmp_path_factory, "default", ("v4-tiny-hf",))
+
+
+@pytest.fixture(scope="module")
+def mesh_runs_full(tmp_path_factory):
+    """The full tier's mesh measurements: expert=8 and tensor=2 x expert=4 (only full-tier tests use it)."""
+    return _mesh_worker(tmp_path_factory, "full", ("v4-tiny-hf", "v4-tiny-q", "v41-tiny-q"))
+
+
+def _runs_for(request, mesh: str) -> dict:
+    return request.getfixturevalue("mesh_runs" if mesh == DEFAULT_MESH else "mesh_runs_full")
+
+
+@pytest.mark.parametrize("mesh", [pytest.param("expert=8", marks=pytest.mark.full),
+                                  pytest.param("tensor=2,expert=4", marks=pytest.mark.full), DEFAULT_MESH])
+def test_sharded_logits_equal_single_device(request, mesh):
+    """v4-tiny-hf (8 experts divide every expert axis here): chunked prefill and decode of a ragged batch.
+    expert=8 and tensor=2,expert=4 are in the full tier.
+
+    The tensor axis only changes the PartitionSpecs from Layout.param_spec (heads, output groups and vocab over
+    tensor), whose rules tests/test_sharding.py::test_rules_on_released_shapes and
+    ::test_rules_fall_back_to_replicated_when_an_axis_does_not_divide check without devices.
+
+    Full tier: tests/test_sharding.py::test_sharded_logits_equal_single_device[data=2,expert=4] covers the sharded
+    load, the expert-parallel MoE's shard_map (experts over the expert axis) and chunked prefill and decode of a
+    ragged batch on an 8-device mesh against one device in the default run."""
+    r = _runs_for(request, mesh)["v4-tiny-hf"][mesh]
     print(mesh, r)
     assert r["logits_max_abs_diff"] < TOL and r["tokens_equal"]
     assert r["expert_leaf_spec"] == "P(None, 'expert')" and r["n_experts_loaded"] == 8
@@ -123,10 +152,16 @@ def test_sharded_logits_equal_single_device(mesh_runs, mesh):
         assert r["forward_max_abs_diff"] < TOL
 
 
-def test_sharded_quantized_golden(mesh_runs):
+@pytest.mark.full
+def test_sharded_quantized_golden(mesh_runs_full):
     """v4-tiny-q (fp8 dense, fp4 experts, DeepSeek's numerics) over tensor=2 x expert=4: every position's
-    logits of a no-cache forward (the decode-size MoE path is the float model's)."""
-    r = mesh_runs["v4-tiny-q"]["tensor=2,expert=4"]
+    logits of a no-cache forward (the decode-size MoE path is the float model's).
+
+    Full tier: tests/test_sharding.py::test_speculative_decoding_on_the_mesh covers an fp8/fp4 checkpoint (the demo
+    model) loaded, decoded and sharded over data=2 x expert=4 through the expert-parallel MoE, and
+    tests/test_golden_v4_q.py::test_deepseek_numerics_teacher_forced covers DeepSeek's activation numerics on
+    v4-tiny-q, in the default run."""
+    r = mesh_runs_full["v4-tiny-q"]["tensor=2,expert=4"]
     print(r)
     assert r["forward_max_abs_diff"] < TOL
 
@@ -161,11 +196,18 @@ def test_lowered_expert_parallel_program(mesh_runs):
         assert low[name]["reduce_scatter"] == 4 and low[name]["all_gather"] == 4 and low[name]["all_reduce"] == 0
 
 
-def test_each_checkpoint_byte_is_read_once(mesh_runs):
-    """Loading over tensor=2 x expert=4: every tensor is read exactly once in total. Regions shared by several
-    devices (replicated leaves) are read once; split leaves read only each region's slice; each expert
-    shard reads only its own experts."""
-    reads, sizes = mesh_runs["reads"]["read"], mesh_runs["reads"]["sizes"]
+@pytest.mark.parametrize("mesh", [DEFAULT_MESH, pytest.param("tensor=2,expert=4", marks=pytest.mark.full)])
+def test_each_checkpoint_byte_is_read_once(request, mesh):
+    """Loading over the mesh: every tensor is read exactly once in total. Regions shared by several
+    devices (replicated leaves, and each expert shard's two data replicas over data=2) are read once; split
+    leaves read only each region's slice; each expert shard reads only its own experts. tensor=2,expert=4
+    (leaves also split over tensor) is in the full tier.
+
+    Full tier: tests/test_sharding.py::test_each_checkpoint_byte_is_read_once[data=2,expert=4] covers the per-shard
+    loader (each device's region of each leaf from its sharding, replicated and split leaves, regions shared by
+    several devices) in the default run."""
+    measured = _runs_for(request, mesh)["reads"][mesh]
+    reads, sizes = measured["read"], measured["sizes"]
     assert reads == sizes
 
 

@@ -29,9 +29,18 @@ def folder(tmp_path_factory):
     return path
 
 
+@pytest.mark.full
 def test_chunked_cached_decode_equals_nocache_forward(folder):
     """DeepSeek's numerics; prefill in chunks of 16 (the ratio-2 compressor ring, the Engram histories and
-    the published top-k cross chunk boundaries), ragged batch, then decode past index_topk."""
+    the published top-k cross chunk boundaries), ragged batch, then decode past index_topk.
+
+    Full tier: tests/test_golden_v41_q.py::test_deepseek_numerics_teacher_forced covers V4.1's cached path in
+    DeepSeek's numerics with prefill chunks (of 64) crossed by the ratio-2 compressor ring, the Engram history and the
+    published top-k, then decode, against the reference (the golden has the same layer kinds: sliding, ratio-2 and
+    ratio-1 KV sources, index and candidate sources, two Engram layers); ::test_cached_decode_equals_nocache_forward
+    covers a ragged batch's cached decode (per-sequence Engram histories) past index_topk equal to a no-cache
+    forward; tests/runtime/test_sampling.py::test_same_seed_same_tokens_and_batch_independence covers seeded
+    sampling's reproducibility, in the default run."""
     model = jdeep.load(folder)
     out = jdeep.generate(model, PROMPTS, max_new_tokens=12, return_logits=True, prefill_chunk=16)
     for b, prompt in enumerate(PROMPTS):

@@ -110,9 +110,15 @@ def _decode_logits(model, prompts):
     return jdeep.generate(model, prompts, max_new_tokens=4, return_logits=True, ignore_eos=True)
 
 
+@pytest.mark.full
 def test_model_decode_uses_it_and_agrees_with_xla():
     """The v4-tiny-q golden (fp8 + fp4 as published, DeepSeek's numerics) at batch 5: the decode program calls the
-    native kernel, and its tokens and logits agree with XLA's products to fp32 rounding."""
+    native kernel, and its tokens and logits agree with XLA's products to fp32 rounding.
+
+    Full tier: tests/kernels/test_cpu_rows_gemm.py::test_decode_program_reads_the_layer_weights_in_place covers the
+    v4-tiny-q decode program of several rows calling jdeep_rows_gemm (with the layer weights read in place) in the
+    default run, and tests/kernels/test_cpu_rows_gemm.py::test_dispatch_rows_dtypes_and_platforms covers linear()'s
+    native product agreeing with XLA's."""
     folder = golden_path("v4-tiny-q")
     native = jdeep.load(folder)
     assert native.numerics.native_gemm_rows == cpu.MAX_ROWS

@@ -86,8 +86,14 @@ def test_platforms_fence():
     assert not Numerics.for_config(cfg, platform="neuron").fence_gemm_inputs   # Neuron programs lowered on CPU
 
 
+@pytest.mark.full
 def test_fenced_model_gives_the_same_logits():
-    """The v4-tiny-q golden (fp8 + fp4, DeepSeek's numerics) with and without the fence: identical logits."""
+    """The v4-tiny-q golden (fp8 + fp4, DeepSeek's numerics) with and without the fence: identical logits.
+
+    Full tier: tests/kernels/test_quant.py::test_fenced_input_is_the_fake_quant_bit_for_bit covers gemm_input's
+    fenced branch giving fp8_fake_quant's values bit for bit (test_prefill_sized_inputs_are_not_fenced the unfenced
+    branch above FENCE_MAX_ROWS) in the default run; the fenced numerics (the CPU default) run every default-run
+    v4-tiny-q / v41-tiny-q golden test (e.g. tests/model/test_weights.py::test_decoded_weights_give_the_logits_of_codes_bit_for_bit)."""
     folder = golden_path("v4-tiny-q")
     fenced = jdeep.load(folder)
     with pytest.MonkeyPatch.context() as mp:

@@ -21,10 +21,15 @@ CONFIGS = {
 }
 
 
-# the second config is slow-marked: the compressor unit tests (tests/layers/test_compressor.py) cover
-# overlapping and plain pooling at several ratios, and the first config runs ratios 1, 3, 4 and 7 end to end
-@pytest.fixture(scope="module", params=["ratios_1_3_4_7", pytest.param("csa2_hca1", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["ratios_1_3_4_7", pytest.param("csa2_hca1", marks=pytest.mark.full)])
 def model(request, tmp_path_factory):
+    """A random model per config, loaded.
+
+    Full tier (the csa2_hca1 config): tests/model/test_model.py::test_decode_and_chunked_prefill_equal_forward
+    [ratios_1_3_4_7] covers the model's decode and chunked prefill against its forward at ratios 1, 3, 4 and 7 in the
+    default run; tests/layers/test_compressor.py::test_chunked_prefill_and_decode_match covers overlapping and plain
+    pooling at several ratios, and tests/test_config.py::test_any_compress_ratio_via_layer_types the transformers
+    spelling of any ratio."""
     raw = {k: v for k, v in TINY_CONFIG.items() if k not in ("layer_types", "compress_rates")}
     raw.update(CONFIGS[request.param])
     raw["index_topk"] = 3
@@ -34,6 +39,12 @@ def model(request, tmp_path_factory):
 
 
 def test_decode_and_chunked_prefill_equal_forward(model):
+    """Chunked prefill (chunks of 8) and step-by-step decode give the logits of one no-cache forward. The csa2_hca1
+    config is in the full tier.
+
+    Full tier: tests/model/test_model.py::test_decode_and_chunked_prefill_equal_forward[ratios_1_3_4_7] covers the
+    cached model's overlapping (ratio 4, indexed) and plain (ratios 1, 3, 7) compressor layers end to end in the
+    default run, and tests/layers/test_compressor.py the pooling at several ratios."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 512, size=n).tolist() for n in (37, 5)]
     out = jdeep.generate(model, prompts, max_new_tokens=12, return_logits=True, prefill_chunk=8)

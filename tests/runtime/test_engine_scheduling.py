@@ -99,7 +99,13 @@ def test_slots_compact_when_requests_leave(model):
         assert eng.outputs[rid].tokens == _alone(model, p, s, max_num_seqs=8, max_len=128, prefill_chunk=32)
 
 
+@pytest.mark.full
 def test_engram_model_steps_the_whole_pool_with_the_same_tokens(tmp_path):
+    """Full tier: tests/runtime/test_scheduler.py::test_random_pools_serve_everyone_within_the_compiled_set[pool-None]
+    covers the whole-pool windows in the default run (every decode row in the decode window of every iteration while
+    the oldest prompt prefills within the budget), and
+    tests/runtime/test_prefix_cache.py::test_v41_engram_requests_sharing_a_prefix_at_once the Engine stepping an Engram
+    model's whole pool, requests prefilling together getting the tokens they get alone."""
     folder = tmp_path / "v41"
     random_checkpoint(tiny_v41_config(), str(folder), seed=5)
     write_word_tokenizer(str(folder / "tokenizer.json"), 512)

@@ -113,8 +113,14 @@ def test_a_request_past_its_timeout_is_cancelled_and_its_slot_freed(model):
         assert m['jdeep_request_finished_total{finish_reason="timeout"}'] == 2
 
 
+@pytest.mark.full
 def test_a_seed_of_2_80_is_a_400_and_the_requests_beside_it_are_exact(model):
-    """The defect of issue 20: `"seed": 2**80` passed validation and failed the whole engine step."""
+    """The defect of issue 20: `"seed": 2**80` passed validation and failed the whole engine step.
+
+    Full tier: tests/serve/test_openai_protocol.py::test_every_field_is_bounded_at_the_edge covers the 400 naming
+    `seed` for 2**80 (parse_completion, before anything reaches the engine) in the default run, and
+    tests/runtime/test_engine_isolation.py::test_host_failures_of_one_request_leave_the_others_exact a 2**80 seed that
+    reaches the engine failing alone while the requests beside it get their exact tokens."""
     rng_prompts = [[0, 5, 9, 33], [0, 40, 41], [0, 7], [0, 100, 200, 300, 400], [0, 11, 12, 13]]
     kinds = [dict(temperature=0), dict(temperature=0.8, seed=11), dict(temperature=0), dict(temperature=1.0, seed=3),
              dict(temperature=0)]

@@ -46,8 +46,15 @@ def _reply(fmt, prompt: str) -> str | None:
     return None
 
 
-@pytest.fixture(scope="module", params=["v4", "v41"])
+@pytest.fixture(scope="module", params=["v4", pytest.param("v41", marks=pytest.mark.full)])
 def srv(request):
+    """A server whose model's replies are scripted in the chat format `request.param`.
+
+    Full tier (the v41 parameter): the [v4] tests of this file cover the server's chat path in the default run (chat
+    requests encoded by the format, replies parsed into reasoning_content / content / tool_calls, streamed as deltas,
+    tool_choice, the 400s); tests/io/chat/test_encoding.py::test_prompt_equals_deepseek_encoder and
+    tests/io/chat/test_encoding.py::test_reply_parse_equals_deepseek_parser cover the v41 format's encoding and parsing
+    (thinking, tool calls)."""
     fmt = FORMATS[request.param]
     model = jdeep.load(golden_path("v4-tiny-hf"))
     tok = Tokenizer(golden_path("v41-tiny-q"))

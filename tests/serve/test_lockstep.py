@@ -190,8 +190,15 @@ def test_follower_replays_process_0(model, word_tokenizer):
     assert [k for k in store.data if "/step/" in k] == [f"jdeep/serve/step/{leader.sent - 1}"]   # the stop message
 
 
+@pytest.mark.full
 def test_follower_replays_a_speculative_engine():
-    """The MTP speculative engine (several tokens per step) replays the same way."""
+    """The MTP speculative engine (several tokens per step) replays the same way.
+
+    Full tier: test_follower_replays_process_0 covers the replay in the default run (AsyncEngine publishing its
+    commands, follow() applying add/abort through wire.apply_command, stepping and releasing finished requests;
+    follow() calls only the engine's add_request/abort/step/has_work/outputs/release, which a SpeculativeEngine
+    shares), and tests/speculative/test_spec_engine.py::test_server_with_speculative_config covers the MTP
+    SpeculativeEngine behind the AsyncEngine and the HTTP server."""
     demo = jdeep.load(pathlib.Path(jdeep.__file__).parent / "demo_model", mtp=True, quantize_activations=False)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     eng = lambda: make_engine(demo, spec, max_num_seqs=2, max_len=96, prefill_chunk=16, ignore_eos=True)
@@ -272,6 +279,42 @@ def test_a_lost_heartbeat_fails_the_mesh_with_503(model):
         metrics = urllib.request.urlopen(url[:-3] + "/metrics", timeout=30).read().decode()
         assert "jdeep_mesh_failed 1" in metrics and "jdeep_mesh_processes 2" in metrics
         stuck.set()
+
+
+class _StalledStore(MemoryStore):
+    """Process 0's store as a follower sees it when process 0 is stopped (SIGSTOP): a write never returns, a read
+    finds nothing within its timeout."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+
+    def set(self, key: str, value: str) -> None:
+        self.release.wait(60)
+
+    def get(self, key: str, timeout: float) -> str:
+        time.sleep(timeout)
+        raise StoreTimeout(key)
+
+
+def test_a_follower_whose_process_0_stalls_fails_within_the_peer_timeout():
+    """A follower's watchdog names process 0 within the peer timeout although its heartbeat thread is stuck in a
+    store write that never returns (tests/serve/test_multiprocess_server.py::test_a_stopped_process_0_ends_the_follower
+    with real processes); the reason reaches on_failure (jdeep serve's exit) and a follower waiting in receive()."""
+    store = _StalledStore()
+    follower = Lockstep(store, 1, 2, interval=0.05, peer_timeout=0.5)
+    reasons = []
+    follower.on_failure = reasons.append
+    t0 = time.monotonic()
+    follower.start()
+    try:
+        with pytest.raises(MeshFailure, match=r"process 0 \(the server\) sent no heartbeat"):
+            follower.receive()
+        assert time.monotonic() - t0 < 0.5 + 2.0
+        assert len(reasons) == 1 and reasons[0].startswith("process 0 (the server) sent no heartbeat")
+    finally:
+        follower.stop()
+        store.release.set()
 
 
 def _get(url: str):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import signal
 import socket
 import subprocess
@@ -36,10 +38,24 @@ REQUESTS = [  # every request names its seed: OpenAI's default temperature is 1,
 ]
 
 
+PORT_RANGE = (20000, 32000)    # below Linux's ephemeral range (32768-60999): no outgoing connection is given one
+BIND_FAILED = re.compile(r"address already in use|errno 98|failed to bind|failed to add port|no address added", re.I)
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the ephemeral range. (A port from bind(("127.0.0.1", 0)) is an ephemeral one: between
+    this check and the server binding it, any outgoing connection on the machine, such as test_cli's clients of its
+    own subprocess servers, may be given it as its local port; Deployment retries with new ports if a bind still
+    fails.)"""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(*PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +65,30 @@ def model_dir(tmp_path_factory):
     return path
 
 
+class _PortTaken(Exception):
+    """A process of the deployment could not bind its HTTP or coordinator port."""
+
+
 class Deployment:
     """Two `jdeep serve` processes; process 0's HTTP port."""
 
-    def __init__(self, model_dir, tmp):
+    def __init__(self, model_dir, tmp, attempts: int = 3):
+        """Start both processes and wait for process 0's /health; when a process exits because one of the two
+        ports was taken between _free_port and its bind (the race behind setup failures beside test_cli's
+        subprocess servers), start again on new ports."""
+        for attempt in range(attempts):
+            try:
+                self._start(model_dir, tmp)
+                return
+            except _PortTaken as e:
+                self.close()
+                if attempt == attempts - 1:
+                    raise AssertionError(f"the 2-process server found its ports taken {attempts} times\n{e}") from None
+
+    def _start(self, model_dir, tmp):
         self.port, coordinator = _free_port(), _free_port()
+        while coordinator == self.port:
+            coordinator = _free_port()
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "JDEEP_NO_COMPILE_CACHE": "1",
                "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"}
         self.logs = [open(tmp / f"process{i}.err", "w+") for i in range(2)]
@@ -65,7 +100,11 @@ class Deployment:
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            assert all(p.poll() is None for p in self.procs), self.stderr()
+            if any(p.poll() is not None for p in self.procs):
+                log = self.stderr()
+                if any(BIND_FAILED.search(self._whole_log(i)) for i in range(2)):
+                    raise _PortTaken(log)
+                raise AssertionError(log)
             try:
                 if _get(self.url + "/health")[0] == 200:
                     return
@@ -73,6 +112,11 @@ class Deployment:
                 pass
             time.sleep(0.5)
         raise AssertionError("the 2-process server did not come up\n" + self.stderr())
+
+    def _whole_log(self, i: int) -> str:
+        self.logs[i].flush()
+        self.logs[i].seek(0)
+        return self.logs[i].read()
 
     def stderr(self, i: int | None = None) -> str:
         out = []
@@ -154,7 +198,37 @@ def test_streams_equal_a_single_process_server(deployment, model_dir):
     assert "jdeep_mesh_processes 2" in metrics and "jdeep_mesh_processes_in_step 2" in metrics
 
 
-def test_killing_process_1_gives_503_within_seconds(deployment):
+def test_sigterm_to_process_0_stops_both_cleanly(deployment):
+    """On the module's deployment, after test_streams_equal_a_single_process_server has served on it (it ends the
+    deployment: the tests after it start their own)."""
+    d = deployment
+    try:
+        d.procs[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(120) for p in d.procs]
+        log = d.stderr()
+        assert codes[1] == 0, log
+        assert "Terminating process" not in log and "Check failure" not in log, log
+    finally:
+        d.close()
+
+
+@pytest.mark.full
+def test_killing_process_1_gives_503_within_seconds(model_dir, tmp_path):
+    """SIGKILL on process 1: process 0 answers 503 naming the failed mesh within seconds and keeps answering. On a
+    deployment of its own (test_sigterm_to_process_0_stops_both_cleanly ends the module's).
+
+    Full tier: tests/serve/test_lockstep.py::test_a_lost_heartbeat_fails_the_mesh_with_503 covers process 0's side
+    in the default run (Lockstep._watch failing the mesh on a follower's stale heartbeat, AsyncEngine.fail_mesh ending
+    the request in flight while the engine thread is blocked in a step, 503 from /health and new requests,
+    jdeep_mesh_failed in /metrics), and test_streams_equal_a_single_process_server the real 2-process deployment."""
+    deployment = Deployment(model_dir, tmp_path)
+    try:
+        _kill_process_1(deployment)
+    finally:
+        deployment.close()
+
+
+def _kill_process_1(deployment):
     deployment.procs[1].send_signal(signal.SIGKILL)
     deployment.procs[1].wait(30)
     t0 = time.monotonic()
@@ -182,21 +256,15 @@ def test_killing_process_1_gives_503_within_seconds(deployment):
     deployment.procs[0].wait(60)
 
 
-def test_sigterm_to_process_0_stops_both_cleanly(model_dir, tmp_path):
-    d = Deployment(model_dir, tmp_path)
-    try:
-        d.procs[0].send_signal(signal.SIGTERM)
-        codes = [p.wait(120) for p in d.procs]
-        log = d.stderr()
-        assert codes[1] == 0, log
-        assert "Terminating process" not in log and "Check failure" not in log, log
-    finally:
-        d.close()
-
-
+@pytest.mark.full
 def test_a_stopped_process_0_ends_the_follower(model_dir, tmp_path):
     """SIGSTOP on process 0 (a stall: its store answers nothing, a write to it never returns): process 1 exits with
-    the reason within seconds instead of waiting for the runtime's own 100 s heartbeat timeout."""
+    the reason within seconds instead of waiting for the runtime's own 100 s heartbeat timeout.
+
+    Full tier: tests/serve/test_lockstep.py::test_a_follower_whose_process_0_stalls_fails_within_the_peer_timeout
+    covers the follower's side in the default run (Lockstep._watch on a follower naming "process 0 (the server)",
+    on_failure called from the watchdog thread while the heartbeat thread's store write never returns), and
+    test_sigterm_to_process_0_stops_both_cleanly the follower's process ending through jdeep serve."""
     d = Deployment(model_dir, tmp_path)
     try:
         d.procs[0].send_signal(signal.SIGSTOP)

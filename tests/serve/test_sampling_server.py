@@ -102,7 +102,12 @@ def test_n_and_best_of(srv):
     assert [c.index for c in chat.choices] == [0, 1]
 
 
+@pytest.mark.full
 def test_penalties_bias_and_min_tokens_equal_generate(srv):
+    """Full tier: tests/serve/test_openai_protocol.py::test_completion_choices_logprobs_penalties covers the API's
+    penalties, logit_bias and min_tokens becoming the request's SamplingParams in the default run, and
+    tests/runtime/test_logprobs_penalties.py::test_engine_equals_generate_whatever_the_company the engine giving
+    jdeep.generate's tokens for them (test_adjustments_equal_the_oracle the adjustments themselves)."""
     eos = srv.model.config.eos_token_id
     cases = [({"frequency_penalty": -1.5, "presence_penalty": -0.5}, {"frequency_penalty": -1.5,
                                                                       "presence_penalty": -0.5}),

@@ -88,7 +88,13 @@ def test_float_drafts_equal_deepseeks(float_model, folder):
         assert err_l < 1e-4 and err_c < 1e-4
 
 
+@pytest.mark.full
 def test_quantized_drafts_match_deepseeks_statistically(folder):
+    """DeepSeek's numerics (quantize_activations=True) against dspark.npz, teacher-forced (module docstring).
+
+    Full tier: tests/speculative/test_dspark.py::test_float_drafts_equal_deepseeks covers the same path
+    (dspark_trace.draft_trace: the target with the DSpark taps, dspark_append, the three DSpark stages' draft with
+    the Markov head and the confidence logits) against DeepSeek's outputs in the default run, in float numerics."""
     model = jdeep.load(folder, mtp=True, quantize_activations=True)
     ref = np.load(folder / "dspark.npz")
     outs = _traces(model, ref, forced=True)

@@ -162,11 +162,18 @@ def test_dspark_requests_that_cannot_run_fail_clearly(model, folder):
         jdeep.generate(jdeep.load(DEMO, mtp=True), prompt, speculative={"method": "dspark"})
 
 
+@pytest.mark.full
 def test_regions_mode_speculation_equals_the_scan_mode(model, folder, prompts):
     """The regions compile mode (Neuron's mode for deep models: the draft program, per target step an undo-log program
     and the regions step with the DSpark taps, the finish program; dspark_regions.py): the same tokens, acceptance,
     target state, drafter windows and Engram histories as the scan mode, greedy and sampled rows in one batch (k = 3:
-    two target steps per verify, the golden's ratio-2 ring)."""
+    two target steps per verify, the golden's ratio-2 ring).
+
+    Full tier: tests/speculative/test_dspark_engine.py::test_dspark_engine_in_the_regions_mode covers the same
+    regions-mode path in the default run: DSparkDrafter.prefill's regions branch and DSparkDrafter._host_iteration
+    with dspark_regions.RegionsPrograms (drafts, per target step the undo log and the regions step, the finish, the
+    Engram rows gathered per slice), which DSparkDrafter.block (jdeep.generate) and DSparkDrafter.decode (the engine)
+    both call, on the same golden at k = 3."""
     regions = jdeep.load(folder, mtp=True, quantize_activations=False, compile_mode="regions")
     sp = [SamplingParams(max_new_tokens=10), SamplingParams(temperature=1.0, top_k=8, seed=3, max_new_tokens=10),
           SamplingParams(max_new_tokens=10)]

@@ -52,7 +52,20 @@ def _serve(engine, requests, join_after: int = 3):
     return [outs[r] for r in rids]
 
 
+@pytest.mark.full
 def test_dspark_engine_with_engram_gives_the_plain_engines_tokens(golden, monkeypatch):
+    """The Engram golden in the engine (the whole pool steps; draft and verify programs with the host's Engram gather
+    between them), warm-up, an oracle drafter so that accepted drafts go through the engine.
+
+    Full tier: tests/speculative/test_dspark_engine.py::test_dspark_engine_windows_give_the_plain_engines_tokens
+    covers the DSpark speculative engine (SpeculativeRunner, DraftingSlotPool with the DSpark windows) and
+    tests/speculative/test_dspark_engine.py::test_dspark_engine_in_the_regions_mode its pool window mode on this
+    Engram golden in the default run; tests/speculative/test_dspark_decode.py::
+    test_greedy_speculation_equals_plain_greedy_and_leaves_the_plain_state covers DSparkDrafter._host_iteration's
+    scan-mode Engram branch (draft_program, Engram gather, verify_program, history advance) with an oracle drafter's
+    accepted drafts and a stop id; tests/speculative/test_spec_engine.py::
+    test_speculative_engine_gives_the_plain_engines_tokens covers SpeculativeEngine.warmup (SpeculativeRunner.warm,
+    precompiled inventory, no compile while serving)."""
     from jax._src.dispatch import BACKEND_COMPILE_EVENT
 
     k, V = 3, golden.config.vocab_size
@@ -155,10 +168,18 @@ def test_dspark_engine_in_the_regions_mode(golden):
     assert eng.spec_stats.as_dict()["iterations"] > 0
 
 
+@pytest.mark.full
 def test_dspark_engine_applies_logit_bias_and_min_tokens(no_engram):
     """logit_bias and min_tokens at every verified position (acceptance.adjusted): greedy requests that set them get
     the plain engine's tokens with DSpark drafting (windows), and the settings change the tokens; jdeep.generate's
-    speculative path gives them too."""
+    speculative path gives them too.
+
+    Full tier: tests/speculative/test_spec_engine.py::test_logit_bias_and_min_tokens_with_speculation covers
+    logit_bias and min_tokens at every verified position (acceptance.adjusted) in the speculative engine in the
+    default run; tests/speculative/test_dspark_engine.py::test_dspark_engine_windows_give_the_plain_engines_tokens
+    covers the DSpark windows iteration (dspark_iteration.iteration, which dspark_iteration.iterations scans for
+    jdeep.generate); tests/speculative/test_mtp_decode.py::test_speculative_generate_returns_logits covers
+    return_logits with speculation (keep_logits, generate._take_block's logits)."""
     V = no_engram.config.vocab_size
     prompt = _requests(V, seed=3)[1][0]
     free = jdeep.generate(no_engram, [prompt], max_new_tokens=10, ignore_eos=True).tokens[0].tolist()
@@ -190,10 +211,16 @@ def test_dspark_engine_reports_logprobs(no_engram):
         assert [[i for i, _ in e[2]] for e in g.logprobs] == [[i for i, _ in e[2]] for e in p.logprobs]
 
 
+@pytest.mark.full
 def test_dspark_engine_with_the_prefix_cache(no_engram):
     """The prefix cache with DSpark drafting: requests sharing a cached 128-token prefix restore the target's and the
     drafter windows' snapshot and get the plain engine's greedy tokens; the windows hold the target's taps of each
-    position and nothing after it, so a prompt that differs right after the prefix hits too (lookahead 0)."""
+    position and nothing after it, so a prompt that differs right after the prefix hits too (lookahead 0).
+
+    Full tier: tests/speculative/test_spec_engine.py::test_prefix_cache_with_speculation covers the prefix cache with
+    a drafter in the default run: DraftingSlotPool.snapshot / restore (the target's snapshot with the drafter's,
+    Drafter.snapshot / restore slot programs) through snapshot_prefills, a hit and a miss with the drafter's
+    snapshot_lookahead in the key, the plain engine's tokens."""
     rng = np.random.default_rng(7)
     ids = rng.integers(3, no_engram.config.vocab_size, 200).tolist()
     other = (ids[128] + 1) % no_engram.config.vocab_size

@@ -36,12 +36,16 @@ def _prompts(model, lengths=(7, 30, 3, 18)):
     return [np.asarray(ids[i:i + n], np.int32) for i, n in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("quantized,ks", [(False, (1, 3)), pytest.param(True, (2,), marks=pytest.mark.slow)],
+@pytest.mark.parametrize("quantized,ks", [(False, (1, 3)), pytest.param(True, (2,), marks=pytest.mark.full)],
                          ids=["float", "deepseek"])
 def test_greedy_speculation_equals_plain_greedy(models, quantized, ks):
     """k = 1 and 3 here (one iteration per program call), k = 2 below through jdeep.generate (blocks of iterations on
-    the device, stop ids and EOS, texts). DeepSeek's numerics (slow: the same code path on other numerics; the
-    default run covers speculation on DeepSeek's own outputs with the v4-tiny-q golden below)."""
+    the device, stop ids and EOS, texts). DeepSeek's numerics: the [deepseek] case (k = 2) is in the full tier, as is
+    the check of speculation on DeepSeek's own outputs with the v4-tiny-q golden below.
+
+    Full tier ([deepseek]): tests/speculative/test_mtp_decode.py::test_greedy_speculation_equals_plain_greedy[float]
+    covers the same code path (spec_generate.run, mtp_decode.ScanPrograms.iterations: draft, verify, accept, undo
+    restore) in the default run, on float activations."""
     model = models[quantized]
     prompts = _prompts(model)
     max_new = [24, 17, 24, 9]
@@ -71,10 +75,16 @@ def test_greedy_speculation_equals_plain_greedy(models, quantized, ks):
     assert spec.texts == plain.texts and spec.lengths.tolist() == plain.lengths.tolist()
 
 
+@pytest.mark.full
 def test_greedy_speculation_matches_deepseek_on_the_golden():
     """v4-tiny-q (DeepSeek's own outputs, random weights incl. its MTP block), float numerics, k = 2: speculative greedy
     decoding gives the reference's greedy tokens (a divergence is allowed only at a reference near-tie, where the
-    reference's second choice is taken, as the plain-decoding golden test allows)."""
+    reference's second choice is taken, as the plain-decoding golden test allows).
+
+    Full tier: tests/speculative/test_mtp_decode.py::test_greedy_speculation_equals_plain_greedy[float] covers
+    spec_generate.run with method "mtp" (mtp_decode.ScanPrograms.iterations(1): draft, verify, accept, undo restore)
+    in the default run, on the same code path with the demo model (greedy speculation equals plain greedy, which the
+    plain-decoding golden tests compare with the references)."""
     folder = golden_path("v4-tiny-q")
     model, ref = jdeep.load(folder, mtp=True, quantize_activations=False), np.load(folder / "reference_noquant.npz")
     n = len([f for f in ref.files if f.startswith("prompt_")])
@@ -115,8 +125,14 @@ def test_speculative_generate_returns_logits(models):
     np.testing.assert_allclose(spec.logits, plain.logits, atol=1e-4)
 
 
+@pytest.mark.full
 def test_undo_log_leaves_the_plain_state(models):
-    """A verify step over 4 positions of which 2 are accepted, then restored, equals a plain step over those 2."""
+    """A verify step over 4 positions of which 2 are accepted, then restored, equals a plain step over those 2.
+
+    Full tier: tests/speculative/test_mtp_decode.py::test_greedy_speculation_equals_plain_greedy[float] covers
+    undo.entry_index / undo.save / undo.restore (mtp_iteration.draft saves, mtp_iteration.finish restores the rejected
+    positions of 4-position verify chunks, k = 3, across the ratio-4 compression groups of four prompts) in the
+    default run, and its _assert_state_is_plain checks the state afterwards equals plain decoding's."""
     model = models[False]
     cfg, plan, num = model.config, model.plan, model.numerics
     step = jax.jit(lambda p, s, t, q: model_step(p, s, t, q, config=cfg, plan=plan, numerics=num)[1])
@@ -206,9 +222,15 @@ def test_acceptance_rule_keeps_the_target_distribution():
         assert int(acc[0]) == want_a and np.asarray(tok)[0, :want_a + 1].tolist() == want
 
 
+@pytest.mark.full
 def test_sampled_speculation_has_the_target_distribution(models):
     """Sampled decoding with k = 2 MTP drafts: the first two tokens of 512 seeded requests (top-k 3, temperature 1)
-    follow the model's own distribution, computed exactly from its logits."""
+    follow the model's own distribution, computed exactly from its logits.
+
+    Full tier: tests/speculative/test_mtp_decode.py::test_acceptance_rule_keeps_the_target_distribution covers the
+    distribution property of acceptance.accept (sampled rows) in the default run, and
+    tests/speculative/test_spec_engine.py::test_speculative_engine_gives_the_plain_engines_tokens runs the sampled
+    MTP iteration (mtp_iteration.draft / finish with greedy=False) with a sampled request."""
     model = models[False]
     prompt = _prompts(model, (12,))[0]
     sp = lambda seed: SamplingParams(temperature=1.0, top_k=3, seed=seed, max_new_tokens=2)

@@ -138,9 +138,15 @@ def _assert_same_logprobs(got, want):
         assert [i for i, _ in g[2]] == [i for i, _ in w[2]]
 
 
+@pytest.mark.full
 def test_logprobs_with_speculation(model):
     """logprobs / top_logprobs come from the target's logits at each emitted position (acceptance.Emitted): the MTP
-    engine, jdeep.generate's speculative path and the server (through the OpenAI client) report plain decoding's."""
+    engine, jdeep.generate's speculative path and the server (through the OpenAI client) report plain decoding's.
+
+    Full tier: tests/speculative/test_dspark_engine.py::test_dspark_engine_reports_logprobs covers the speculative
+    engine's logprobs (SpeculativeRunner._logprobs over acceptance.Emitted's logprob fields, against the plain
+    engine's) in the default run; tests/speculative/test_mtp_decode.py::test_speculative_generate_returns_logits
+    covers speculative.generate._take_block copying the Emitted fields of a speculative jdeep.generate run."""
     requests = [(p, SamplingParams(max_new_tokens=10, logprobs=3)) for p, _ in _requests(model)[:3]]
     plain = _serve(Engine(model, **ENGINE), requests)
     spec = _serve(make_engine(model, SPEC, **ENGINE), requests)

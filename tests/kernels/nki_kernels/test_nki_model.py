@@ -54,8 +54,15 @@ def _steps(model, toks: np.ndarray, pos: np.ndarray) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("golden", ["v4-tiny-q", "v41-tiny-q"])
+@pytest.mark.parametrize("golden", [pytest.param("v4-tiny-q", marks=pytest.mark.full), "v41-tiny-q"])
 def test_neuron_path_with_emulated_kernels_equals_the_references(monkeypatch, golden):
+    """v4-tiny-q is in the full tier: traced on the neuron path, both goldens' scan-mode prefill and decode steps call
+    the same 13 kernels (sparse_attention, sparse_attention_shared, index_scores, topk, expert_gate_up, expert_down,
+    fp8_linear, rmsnorm, hc_mix_logits, hc_sinkhorn, hc_collapse, hc_expand, softmax_pool), and v41-tiny-q's layers
+    (KV sources, shared top-k, candidate blocks, Engram) are the richer composition.
+
+    Full tier: tests/kernels/nki_kernels/test_nki_model.py::test_neuron_path_with_emulated_kernels_equals_the_references[v41-tiny-q]
+    covers model_step's neuron dispatch of every model kernel under nki.host_execution in the default run."""
     model = jdeep.load(golden_path(golden), dtype="float32", fp8_max=240.0, compile_mode="scan", weights="codes")
     assert model.numerics.quantize_activations and model.numerics.trn2_weights
     prompt = np.load(golden_path(golden) / "reference.npz")["prompt_0"][:12]

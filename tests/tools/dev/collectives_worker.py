@@ -1,12 +1,13 @@
 """Run in a subprocess with 8 CPU devices by tests/tools/dev/test_collectives.py (JAX fixes its device count at import):
 
-    python tests/tools/dev/collectives_worker.py OUT_DIR GOLDEN_DIR
+    python tests/tools/dev/collectives_worker.py OUT_DIR GOLDEN_DIR [RUN ...]
 
 Writes into OUT_DIR the compiled HLO text of small programs with known collectives (oracles), of the golden model's
 decode step and prefill chunk as jdeep.load(..., mesh=) runs them on each 8-device test mesh (and of a random
 model with repeated layers on one of them), and the planner's
-measurement (`jdeep.tools.dev.collectives.step_collectives`) of the same steps, as result.json. Nothing here decides
-pass or fail."""
+measurement (`jdeep.tools.dev.collectives.step_collectives`) of the same steps, as result.json. RUN names which
+model runs to do (a mesh of MESHES, or "deep"); all of them when none is named (the oracles always run). Nothing here
+decides pass or fail."""
 
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ def golden_programs(folder: str, mesh: str) -> dict[str, str]:
 
 def main() -> None:
     out_dir, golden = sys.argv[1:3]
+    wanted = sys.argv[3:] or [*MESHES, "deep"]
     result = {"oracle": ORACLE, "step": STEP, "meshes": {}}
     for name, text in oracle_programs().items():
         with open(os.path.join(out_dir, f"oracle-{name}.hlo"), "w") as f:
@@ -96,8 +98,10 @@ def main() -> None:
     # the golden checkpoint on the three test meshes, and "deep": the tiny kinds with (HCA, CSA) repeated twice
     # (a layer scan of 2 reps), random weights, on tensor=2,expert=4
     deep = os.path.join(out_dir, "deep-checkpoint")
-    random_checkpoint(deep_tiny_config(2), deep, seed=3)
+    if "deep" in wanted:
+        random_checkpoint(deep_tiny_config(2), deep, seed=3)
     runs = [(m, os.path.join(golden, "v4-tiny-hf"), m) for m in MESHES] + [("deep", deep, "tensor=2,expert=4")]
+    runs = [r for r in runs if r[0] in wanted]
     for name, folder, mesh in runs:
         for step, text in golden_programs(folder, mesh).items():
             with open(os.path.join(out_dir, f"{name}-{step}.hlo"), "w") as f:

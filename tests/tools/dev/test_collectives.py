@@ -1,8 +1,10 @@
 """The planner's collective volume (`jdeep.tools.dev.collectives`, `jdeep info --mesh ... --collectives`).
 
 Programs on a mesh need that many devices, which JAX fixes at import: one subprocess with 8 CPU devices
-(tests/tools/dev/collectives_worker.py) compiles the oracle programs and the golden model's steps on the three 8-device
-test meshes and runs the planner there; the tests here read what it wrote. Expectations come from shapes by
+(tests/tools/dev/collectives_worker.py) compiles the oracle programs and the golden model's steps on the 8-device
+test meshes and runs the planner there; the tests here read what it wrote. The default run's worker (`worker`) measures
+one mesh (MESH, tensor and expert axes both split); the full tier's (`worker_full`) the other two meshes and a model
+with repeated layers. Expectations come from shapes by
 arithmetic, and the golden steps are counted by this file's own flattening of the HLO, independent of the planner's
 parser."""
 
@@ -24,15 +26,29 @@ from jdeep.tools.dev.collectives import KINDS, Volume, collectives_table, hlo_co
 F32 = 4
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
+MESH = "tensor=2,expert=4"          # the default run's mesh
+
+
+def _run_worker(tmp_path_factory, runs: list[str]):
     golden_path("v4-tiny-hf")      # skips without the golden folder
     out = tmp_path_factory.mktemp("collectives")
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "tools" / "dev" / "collectives_worker.py"), str(out),
-                           str(GOLDEN_DIR)], capture_output=True, text=True, cwd=REPO)
+                           str(GOLDEN_DIR), *runs], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((out / "result.json").read_text())
     return out, result
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """The oracles and the golden on MESH."""
+    return _run_worker(tmp_path_factory, [MESH])
+
+
+@pytest.fixture(scope="module")
+def worker_full(tmp_path_factory):
+    """The oracles, the golden on the other two test meshes and the repeated-layer model ("deep")."""
+    return _run_worker(tmp_path_factory, ["expert=8", "data=2,expert=4", "deep"])
 
 
 def _hlo(worker, name: str) -> str:
@@ -221,17 +237,29 @@ def _check_against_own_count(worker, name: str) -> int:
     return looped
 
 
-@pytest.mark.parametrize("mesh", ["expert=8", "tensor=2,expert=4", "data=2,expert=4"])
-def test_planner_matches_the_loaded_models_compiled_steps(worker, mesh):
+@pytest.mark.parametrize("mesh", [pytest.param("expert=8", marks=pytest.mark.full), MESH,
+                                  pytest.param("data=2,expert=4", marks=pytest.mark.full)])
+def test_planner_matches_the_loaded_models_compiled_steps(request, mesh):
     """The planner (abstract arguments, no weights) measures exactly what a count of the steps jdeep.load(...,
-    mesh=) compiles for the golden checkpoint finds (its four layers are four kinds: no layer scan repeats)."""
-    _check_against_own_count(worker, mesh)
+    mesh=) compiles for the golden checkpoint finds (its four layers are four kinds: no layer scan repeats).
+
+    Full tier: tests/tools/dev/test_collectives.py::test_planner_matches_the_loaded_models_compiled_steps
+    [tensor=2,expert=4] covers the planner against the compiled steps (step_collectives vs this file's HLO count,
+    with both the tensor and the expert axis split) in the default run; the other meshes run the same planner and
+    count on other axis splits."""
+    _check_against_own_count(request.getfixturevalue("worker" if mesh == MESH else "worker_full"), mesh)
 
 
-def test_planner_counts_collectives_of_repeated_layers(worker):
+@pytest.mark.full
+def test_planner_counts_collectives_of_repeated_layers(worker_full):
     """A model whose layer pairs repeat (a scan segment of several reps) on tensor=2,expert=4: the MoE's and the
-    partitioner's collectives inside the layer scan run once per layer."""
-    assert _check_against_own_count(worker, "deep") > 0
+    partitioner's collectives inside the layer scan run once per layer.
+
+    Full tier: tests/tools/dev/test_collectives.py::test_collectives_in_one_scan and ::test_nested_scans_multiply
+    cover the planner's count of collectives inside a scan (hlo_collectives multiplying by the while loop's known
+    trip count) in the default run, and ::test_planner_matches_the_loaded_models_compiled_steps[tensor=2,expert=4]
+    the golden's sharded steps on the same mesh."""
+    assert _check_against_own_count(worker_full, "deep") > 0
 
 
 def test_decode_gathers_logits_not_the_head(worker):
@@ -264,16 +292,16 @@ def test_table_rows_are_the_volumes_in_its_units():
 
 
 def test_cli_prints_the_collectives_table(worker, capsys):
-    """`jdeep info --mesh expert=8` from this one-device process: measured in an 8-device subprocess, the table of
-    what the worker's planner run measured for the same steps."""
+    """`jdeep info --mesh tensor=2,expert=4` from this one-device process: measured in an 8-device subprocess, the
+    table of what the worker's planner run measured for the same steps."""
     step = worker[1]["step"]
-    assert main(["info", "--model", str(golden_path("v4-tiny-hf")), "--mesh", "expert=8", "--link-gbps", "50",
+    assert main(["info", "--model", str(golden_path("v4-tiny-hf")), "--mesh", MESH, "--link-gbps", "50",
                  "--batch", str(step["batch"]), "--max-len", str(step["max_len"]),
                  "--prefill-len", str(step["prefill_len"])]) == 0
     out = capsys.readouterr().out.rstrip().splitlines()
     head = next(i for i, ln in enumerate(out) if ln.startswith("collectives "))
     assert any(ln.startswith("total/device") for ln in out[:head])          # after the memory lines
-    planned = result_from_json({s: v for s, v in worker[1]["meshes"]["expert=8"].items()})
+    planned = result_from_json({s: v for s, v in worker[1]["meshes"][MESH].items()})
     assert out[head + 1:] == collectives_table(planned, 50).splitlines()[1:]
     assert "time = link bytes / 50 GB/s" in out[head]
 

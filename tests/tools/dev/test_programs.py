@@ -24,9 +24,19 @@ from jdeep.tools.dev.programs import Target, model_programs, step_inputs
 from jdeep.tools.testing.random_weights import random_checkpoint
 
 
-@pytest.mark.parametrize("name", ["v4-tiny-hf", pytest.param("v4-tiny-q", marks=pytest.mark.slow), "v41-tiny-q"])
+@pytest.mark.parametrize("name", ["v4-tiny-hf", pytest.param("v4-tiny-q", marks=pytest.mark.full),
+                                  pytest.param("v41-tiny-q", marks=pytest.mark.full)])
 def test_check_graph_passes_on_goldens_in_both_modes(name, capsys):
-    """v4-tiny-q is slow-marked: its layer kinds are v4-tiny-hf's and its quantized ops v41-tiny-q's."""
+    """`jdeep check-graph` on a golden checkpoint passes in the scan and the regions mode.
+
+    Full tier: tests/tools/dev/test_programs.py::test_check_graph_passes_on_goldens_in_both_modes[v4-tiny-hf] covers
+    check-graph's golden path (cmd_check_graph -> model_programs -> check_lowered, V4's four layer kinds, both
+    modes) in the default run; the quantized ops (fp8 linears, fp4 experts) and V4.1's Engram pass the rules in
+    tests/tools/dev/graphcheck/test_serving_buckets.py::test_preset_decode_programs_pass_at_serving_batches
+    [v41-flash-regions-b256] and ::test_dspark_regions_programs_pass_at_serving_batch_size (v41-dspark-tiny's
+    quantized V4.1 config), and in the scan mode in ::test_speculative_programs_pass_at_serving_batch_sizes[scan]
+    (V4-Flash's fp8/fp4 layers in the layer scan). v4-tiny-q's layer kinds are v4-tiny-hf's and its quantized ops
+    v41-tiny-q's."""
     path = golden_path(name)
     for mode in ("scan", "regions"):
         assert main(["check-graph", "--model", str(path), "--mode", mode, "--batch-sizes", "2", "--prefill-len",
@@ -93,7 +103,17 @@ def test_export_regions_buckets_reload_and_run(tmp_path):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.full
 def test_export_scan_reload_and_run(tmp_path):
+    """`jdeep export --mode scan` of a golden writes the scan step (state donated and aliased, <= 128 arguments),
+    and jax's deserialiser runs it with the live step's results.
+
+    Full tier: tests/tools/dev/test_programs.py::test_export_regions_buckets_reload_and_run covers export's
+    reload-and-run path (cmd_export -> load_exported -> call_exported, donated state, aliases) in the default run;
+    the scan-mode export itself (_graph_target, the packed scan step's manifest) runs in the default run in
+    ::test_check_graph_and_export_walk_the_engines_program_inventory and
+    ::test_export_with_speculative_programs_takes_the_live_argument_trees (both --mode scan), and the packed scan
+    step's argument count in ::test_parameter_arenas_bring_scan_programs_under_128_arguments."""
     path = golden_path("v4-tiny-hf")
     model = jdeep.load(path, pack_params=True)
     out = tmp_path / "export"

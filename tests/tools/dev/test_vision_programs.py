@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from jdeep.cli import main
 from jdeep.config.presets import preset
@@ -33,10 +34,17 @@ def test_released_tower_buckets_cover_every_image_and_pass():
         assert report.ok, report.format()
 
 
-def test_check_graph_on_a_tiny_vision_model(tmp_path, capsys):
+@pytest.mark.parametrize("mode", [pytest.param("scan", marks=pytest.mark.full), "regions"])
+def test_check_graph_on_a_tiny_vision_model(tmp_path, capsys, mode):
+    """`jdeep check-graph` on a tiny V4.1 with a vision tower: the tower buckets and the prefill steps that take
+    image embeddings pass the rules, in each compile mode.
+
+    Full tier: tests/tools/dev/test_vision_programs.py::test_check_graph_on_a_tiny_vision_model[regions] covers the
+    tower programs (vision_programs, the same in both modes) and the prefill step with image embeddings (the splice
+    in embed_streams, which the scan step calls too) in the default run; the scan mode's text-only steps pass the
+    rules in tests/tools/dev/test_programs.py::test_check_graph_passes_on_goldens_in_both_modes[v4-tiny-hf]."""
     (tmp_path / "config.json").write_text(json.dumps(tiny_v41_config(vision=True)))
-    for mode in ("scan", "regions"):
-        assert main(["check-graph", "--model", str(tmp_path), "--mode", mode, "--batch-sizes", "2", "--prefill-len",
-                     "32", "--max-len", "256"]) == 0
-        out = capsys.readouterr().out
-        assert "ok    vision.n16.t16" in out and "b2.prefill32.embeds" in out and "FAIL" not in out
+    assert main(["check-graph", "--model", str(tmp_path), "--mode", mode, "--batch-sizes", "2", "--prefill-len",
+                 "32", "--max-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "ok    vision.n16.t16" in out and "b2.prefill32.embeds" in out and "FAIL" not in out

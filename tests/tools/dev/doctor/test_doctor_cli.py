@@ -54,9 +54,17 @@ def test_doctor_on_a_golden_checkpoint(tmp_path):
     assert f"{len(failing)} minimal reproducers" in md
 
 
+@pytest.mark.full
 def test_doctor_on_a_preset_lowers_every_program_without_weights(tmp_path):
     """V4-Flash at its released widths: every regions-mode program of one bucket, the rules, no compile (the
-    compile path is the one above; `jdeep doctor --preset v4-flash` with XLA:CPU is measured in docs/neuron.md)."""
+    compile path is the one above; `jdeep doctor --preset v4-flash` with XLA:CPU is measured in docs/neuron.md).
+
+    Full tier: tests/tools/dev/doctor/test_doctor_cli.py::test_a_broken_compiler_is_named_and_nothing_is_reduced
+    covers `jdeep doctor --preset v4-flash` (DoctorOptions.preset: the regions-mode programs lowered from the
+    config alone, no weights, the report written) and ::test_doctor_on_a_golden_checkpoint doctor's rules stage
+    (check_lowered per program, p["rules"]) in the default run; the preset's programs pass the rules at serving
+    sizes in tests/tools/dev/graphcheck/test_serving_buckets.py::test_preset_decode_programs_pass_at_serving_batches
+    [v4-flash-regions-b256] and ::test_preset_longest_prefill_chunk_passes."""
     out = tmp_path / "flash"
     assert main(["doctor", "--preset", "v4-flash", "--out", str(out), "--batch-sizes", "8", "--prefill-len", "16",
                  "--max-len", "1024", "--skip", "compile"]) == 0

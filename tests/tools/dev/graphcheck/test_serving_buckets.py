@@ -68,10 +68,15 @@ def test_check_graph_defaults_are_the_serving_buckets():
     assert (export.batch_sizes, export.prefill_len) == ("1,2,4,8", 128)        # export keeps its own defaults
 
 
-@pytest.mark.parametrize("mode", ["scan", "regions"])
+@pytest.mark.parametrize("mode", [pytest.param("scan", marks=pytest.mark.full), "regions"])
 def test_check_graph_small_model_whose_pairs_exceed_its_experts(tmp_path, capsys, mode):
     """6 experts, top-2 (config only, no weights; a hash-routed and a top-k layer): batch 3 has T*k == E, batches 4
-    and 8 more pairs than experts; prefill and decode pass every rule in both modes."""
+    and 8 more pairs than experts; prefill and decode pass every rule in both modes.
+
+    Full tier: tests/tools/dev/graphcheck/test_serving_buckets.py::test_check_graph_small_model_whose_pairs_exceed_its_experts
+    [regions] covers the MoE's regime boundary (the routed op chosen at T*k == E and above, the same moe code in
+    both modes) in the default run, and ::test_speculative_programs_pass_at_serving_batch_sizes[scan] the sort-free
+    MoE inside the scan mode's layer scan."""
     raw = dict(TINY_CONFIG, n_routed_experts=6, num_experts_per_tok=2, num_hidden_layers=2, num_hash_layers=1,
                layer_types=["sliding_attention", "compressed_sparse_attention"])
     (tmp_path / "config.json").write_text(json.dumps(raw))
@@ -84,15 +89,26 @@ def test_check_graph_small_model_whose_pairs_exceed_its_experts(tmp_path, capsys
     assert f"programs pass the compile-safety rules ({mode} mode" in out and "FAIL" not in out
 
 
-# Default run: the decode programs at the largest batch (sort-free MoE) of every preset in the regions mode, and of
-# V4-Flash in the scan mode (the same MoE code in a layer scan). The T*k == E boundary runs in the small-model test
-# above (batch 3), the per-pair regime (T*k < E) in tests/tools/dev/test_programs.py's goldens (batch 2). The
-# exhaustive sweep below covers every bucket of every preset in both modes.
+# The decode programs at the largest batch (sort-free MoE) of every preset in the regions mode, and of V4-Flash in
+# the scan mode (the same MoE code in a layer scan). Default run: V4-Flash and V4.1-Flash (regions); V4-Pro
+# (V4-Flash's code at other widths) and V4-Flash's scan mode (the sort-free MoE in a layer scan, checked by
+# test_speculative_programs_pass_at_serving_batch_sizes[scan]) are in the full tier. The T*k == E boundary runs in
+# the small-model test above (batch 3), the per-pair regime (T*k < E) in tests/tools/dev/test_programs.py's goldens
+# (batch 2). The exhaustive sweep below covers every bucket of every preset in both modes (full tier).
 FAST = [(name, "regions", (256,)) for name in PRESETS] + [("v4-flash", "scan", (256,))]
+_FAST_FULL = {("v4-pro", "regions"), ("v4-flash", "scan")}
 
 
-@pytest.mark.parametrize("name,mode,batches", FAST, ids=[f"{n}-{m}-b{b[0]}" for n, m, b in FAST])
+@pytest.mark.parametrize("name,mode,batches", [
+    pytest.param(n, m, b, id=f"{n}-{m}-b{b[0]}", marks=[pytest.mark.full] if (n, m) in _FAST_FULL else [])
+    for n, m, b in FAST])
 def test_preset_decode_programs_pass_at_serving_batches(name, mode, batches):
+    """A released preset's decode programs at the largest serving batch (the sort-free grouped MoE) pass the rules.
+
+    Full tier: tests/tools/dev/graphcheck/test_serving_buckets.py::test_preset_decode_programs_pass_at_serving_batches
+    [v4-flash-regions-b256] covers V4-Pro's decode path (the same V4 layers and sort-free MoE at other widths) in the
+    default run, and ::test_speculative_programs_pass_at_serving_batch_sizes[scan] V4-Flash's scan-mode step (its
+    verify over 4 positions x 64 rows runs the sort-free MoE in the layer scan: T*k above the expert count)."""
     n, bad = _failures(name, mode, batches, (), steps=("decode",))
     assert n and not bad, "\n".join(bad)
 
@@ -104,26 +120,36 @@ def test_preset_longest_prefill_chunk_passes():
     assert n and not bad, "\n".join(bad)
 
 
+@pytest.mark.full
 def test_engine_windows_of_a_256_slot_pool_pass():
     """What the Engine compiles: decode and prefill steps over windows of 1 and 64 slots (first slot traced, clamped)
     of a 256-slot V4-Flash state, sliced out and written back in place (S12 index safety, S20 donation), in the
-    regions mode (Neuron's; the scan mode's windows are the same state.slot_window / put_slot_window ops)."""
+    regions mode (Neuron's; the scan mode's windows are the same state.slot_window / put_slot_window ops).
+
+    Full tier: tests/tools/dev/test_programs.py::test_check_graph_and_export_walk_the_engines_program_inventory
+    covers the pool-window programs (the Engine's b1/b2 windows of a 2-slot pool: state.slot_window /
+    put_slot_window with a traced, clamped first slot, S12 and S20 checked) in the default run; this is the same
+    path at a serving pool size."""
     n, bad = _failures("v4-flash", "regions", (1, 64), (256,), pool=256)
     assert n and not bad, "\n".join(bad)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("mode", ["regions", "scan"])
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_every_serving_bucket(name, mode):
     """check-graph's default grid (every batch bucket x every chunk bucket + decode) of each preset and mode,
-    less the known budget failures (`_skipped`). Covered fast by the tests above (the MoE regimes per bucket) and
-    by tests/kernels/test_moe_nosort.py::test_routed_op_choice (the op each bucket picks)."""
+    less the known budget failures (`_skipped`).
+
+    Full tier: tests/tools/dev/graphcheck/test_serving_buckets.py::test_preset_decode_programs_pass_at_serving_batches
+    and ::test_preset_longest_prefill_chunk_passes cover the presets' decode and prefill programs (the MoE regimes
+    per bucket) in the default run, and tests/kernels/test_moe_nosort.py::test_routed_op_choice the op each bucket
+    picks."""
     n, bad = _failures(name, mode, SERVING_BATCH_SIZES, chunk_buckets(SERVING_PREFILL_LEN))
     assert n and not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("mode", ["scan", "regions"])
+@pytest.mark.parametrize("mode", ["scan", pytest.param("regions", marks=pytest.mark.full)])
 def test_speculative_programs_pass_at_serving_batch_sizes(mode):
     """V4-Flash's MTP speculative-decoding programs (k = 3: the iteration drafts, verifies 4 positions, restores the
     rejected ones' cache entries and catches the MTP block up; the prefill chunk with the MTP block) at batch 64
@@ -131,7 +157,13 @@ def test_speculative_programs_pass_at_serving_batch_sizes(mode):
     compile modes (regions: the draft and finish programs, the MTP half of the prefill, the region programs of the
     verify and prefill steps): the greedy variants pass every rule; the sampled ones every rule but those the
     threefry PRNG breaks (S10 64-bit counters, S13 its bits-to-float bitcast, S18), which Neuron leaves to the host
-    sampler as plain decoding does."""
+    sampler as plain decoding does.
+
+    Full tier: tests/tools/dev/graphcheck/test_serving_buckets.py::test_dspark_regions_programs_pass_at_serving_batch_size
+    covers the regions mode's speculative programs against the rules (speculative_programs in the regions mode: the
+    draft and finish programs, the region programs of the verify and prefill steps) in the default run, and
+    tests/tools/dev/test_programs.py::test_check_graph_walks_the_speculative_engines_program_inventory[mtp-regions]
+    lowers MTP's regions-mode programs (draft, each verify region, finish) by name."""
     from jdeep.tools.dev.programs import speculative_programs
 
     name = "v4-flash"
@@ -156,12 +188,19 @@ def test_speculative_programs_pass_at_serving_batch_sizes(mode):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("name", ["v41-dspark-tiny", pytest.param("v41-flash", marks=pytest.mark.slow)])
+@pytest.mark.full
+@pytest.mark.parametrize("name", ["v41-dspark-tiny", "v41-flash"])
 def test_dspark_programs_pass_at_serving_batch_size(name):
     """DSpark speculative-decoding programs (scan mode, k = 3: the prefill chunk with the taps and the
     window append, the draft block, the verify over 4 positions with the drafts' Engram rows): every rule but
     V4.1-Flash's known scan-mode budgets (S4, S19) and, for the sampled variants, the threefry rules. The golden's
-    config (Engram, DSpark block 5) runs by default; V4.1-Flash's own (90 s of lowering) is slow."""
+    config (Engram, DSpark block 5); V4.1-Flash's own takes 90 s of lowering.
+
+    Full tier: tests/tools/dev/test_programs.py::test_check_graph_walks_the_speculative_engines_program_inventory
+    [v41-dspark-tiny-scan] covers the DSpark scan-mode programs (speculative_programs on the same golden config:
+    the prefill chunk with the taps, the draft block, the verify with the drafts' Engram rows) in the default run;
+    the rules on DSpark's programs run in ::test_dspark_regions_programs_pass_at_serving_batch_size (regions) and on
+    the scan mode's speculative programs in ::test_speculative_programs_pass_at_serving_batch_sizes[scan] (MTP)."""
     from jdeep.config import ModelConfig
     from jdeep.tools.dev.programs import speculative_programs
 
