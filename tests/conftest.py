@@ -102,6 +102,16 @@ def golden_path(name: str) -> pathlib.Path:
     return path
 
 
+def load_script(name: str):
+    """scripts/<name>.py as a module (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def compiled_variants() -> dict:
     """How many compiled variants each program in jdeep's program cache holds (key -> count)."""
     from jdeep.model.cache import PROGRAMS

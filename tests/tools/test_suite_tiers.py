@@ -4,17 +4,15 @@ covers the same code path, and its docstring names it (`Full tier: tests/<file>:
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("suite_tiers", REPO / "scripts" / "suite_tiers.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("suite_tiers")
 
 
 def test_every_full_tier_test_names_a_default_run_test_that_covers_its_path():
